@@ -1,0 +1,20 @@
+"""tinyllm: a small, readable, fast LLM inference engine."""
+
+import importlib
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"
+
+_HOMES = {
+    "LLM": "tinyllm.llm",
+    "SamplingParams": "tinyllm.sampling_params",
+    "RequestOutput": "tinyllm.outputs",
+    "CompletionOutput": "tinyllm.outputs",
+}
+
+
+def __getattr__(name: str):
+    # Imported on first use, so `import tinyllm.config` (or the CLI's --help) stays light.
+    if name in _HOMES:
+        return getattr(importlib.import_module(_HOMES[name]), name)
+    raise AttributeError(f"module 'tinyllm' has no attribute {name!r}")

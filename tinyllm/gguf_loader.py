@@ -1,0 +1,274 @@
+"""Load a llama.cpp GGUF file: its metadata as a ModelConfig, its tensors as a Hugging Face
+state dict of dequantized torch tensors."""
+
+import math
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from tinyllm.config import ModelConfig, ModelLoadError, UnsupportedModelError
+
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # Mistral GGUFs say "llama"
+
+Q = gguf.GGMLQuantizationType
+SUPPORTED_TENSOR_TYPES = (
+    Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
+    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+)  # fmt: skip
+
+# Llama 3 GGUFs carry no rope-scaling metadata, only this tensor of per-frequency divisors.
+ROPE_FREQS = "rope_freqs.weight"
+
+
+class _CheckedReader(gguf.GGUFReader):
+    """A GGUFReader that names the tensor a truncated file cuts off, instead of failing with
+    numpy's "cannot reshape array of size ..." (or, for a newer tensor type, an enum error).
+
+    It hooks the private _build_tensors, whose signature is the same from gguf 0.10 to 0.19.
+    """
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        file_size = len(self.data)
+        for field in fields:
+            _, name_data, _, dims, raw_type, offset = field.parts
+            name = bytes(name_data).decode("utf-8", errors="replace")
+            try:
+                qtype = Q(int(raw_type[0]))
+            except ValueError:
+                raise UnsupportedModelError(
+                    f"tensor {name!r} has tensor type {int(raw_type[0])}, unknown to this gguf"
+                ) from None
+            block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            n_bytes = math.prod(int(d) for d in dims) * type_size // block_size
+            end = start_offs + int(offset[0]) + n_bytes
+            if end > file_size:
+                raise ModelLoadError(
+                    f"truncated: tensor {name!r} needs {end - file_size} bytes past end of file "
+                    f"({file_size} bytes)"
+                )
+        super()._build_tensors(start_offs, fields)
+
+
+def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
+    """Memory-map a GGUF file, checking that it is one and that every tensor lies inside it."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path}: not a GGUF file (bad magic {magic!r}, expected b'GGUF')")
+    try:
+        return _CheckedReader(path)
+    except (ModelLoadError, UnsupportedModelError) as e:
+        raise type(e)(f"{path}: {e}") from None
+    # The reader parses with raw numpy views, so a damaged header surfaces as any of these.
+    except (ValueError, IndexError, KeyError, OverflowError) as e:
+        raise ModelLoadError(f"{path}: corrupt GGUF header ({type(e).__name__}: {e})") from e
+
+
+def _value(reader: gguf.GGUFReader, key: str, default=None):
+    """A scalar or string metadata value (ReaderField.contents() is missing from older gguf)."""
+    field = reader.get_field(key)
+    if field is None:
+        return default
+    part = field.parts[field.data[0]]
+    if field.types[0] == gguf.GGUFValueType.STRING:
+        return bytes(part).decode("utf-8")
+    if field.types[0] == gguf.GGUFValueType.FLOAT32:
+        return float(str(part[0]))  # shortest decimal, so a stored 1e-5 reads back as 1e-5
+    return part[0].item()
+
+
+def _required(reader: gguf.GGUFReader, key: str):
+    value = _value(reader, key)
+    if value is None:
+        raise ModelLoadError(f"{reader.data.filename}: GGUF metadata lacks {key!r}")
+    return value
+
+
+def _llama3_rope_scaling(
+    freq_factors: np.ndarray, head_dim: int, theta: float, original_context: int
+) -> dict | None:
+    """Recover Hugging Face's llama3 rope_scaling dict from llama.cpp's rope_freqs tensor.
+
+    With x = original_context / wavelength, HF divides a frequency by `factor` where x < low,
+    by 1 where x > high, and in between by 1 / ((1 - s) / factor + s), s = (x - low) / (high - low).
+    s is linear in x, so a line through the in-between frequencies gives low and high.
+    """
+    factor = float(freq_factors.max())
+    if factor <= 1:
+        return None
+    x = original_context * theta ** (-np.arange(0, head_dim, 2) / head_dim) / (2 * np.pi)
+    # The stored factors are float32: leave a margin so rounding noise is not taken for blending.
+    between = (freq_factors > 1 + 1e-4) & (freq_factors < factor * (1 - 1e-4))
+    if between.sum() < 2:
+        raise UnsupportedModelError(f"{ROPE_FREQS} has too few blended frequencies to fit")
+    s = (1 / freq_factors[between] - 1 / factor) / (1 - 1 / factor)
+    slope, intercept = np.polyfit(x[between], s, 1)
+    if np.abs(slope * x[between] + intercept - s).max() > 1e-3:
+        raise UnsupportedModelError(f"{ROPE_FREQS} does not follow Llama 3 rope scaling")
+    low = -intercept / slope
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": float(low),
+        "high_freq_factor": float(low + 1 / slope),
+        "original_max_position_embeddings": original_context,
+    }
+
+
+def _rope_scaling(reader: gguf.GGUFReader, arch: str, head_dim: int, theta: float) -> dict | None:
+    original = _value(reader, f"{arch}.rope.scaling.original_context_length")
+    kind = _value(reader, f"{arch}.rope.scaling.type")
+    if kind is not None and kind != "none":
+        scaling = {"rope_type": kind, "factor": _required(reader, f"{arch}.rope.scaling.factor")}
+        if original is not None:
+            scaling["original_max_position_embeddings"] = original
+        return scaling
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freqs is None:
+        return None
+    factors = gguf.quants.dequantize(freqs.data, freqs.tensor_type).astype(np.float64)
+    # llama.cpp's converter assumes 8192 (Llama 3's) when the HF config does not say.
+    return _llama3_rope_scaling(factors, head_dim, theta, original or 8192)
+
+
+def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
+    """Build a ModelConfig from GGUF metadata and the presence of optional tensors."""
+    arch = _required(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{reader.data.filename}: unsupported architecture {arch!r}; "
+            f"tinyllm runs GGUF {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    if _value(reader, f"{arch}.expert_count", 0) > 0:
+        raise UnsupportedModelError(f"{reader.data.filename}: mixture-of-experts is not supported")
+    names = {t.name for t in reader.tensors}
+    hidden = _required(reader, f"{arch}.embedding_length")
+    heads = _required(reader, f"{arch}.attention.head_count")
+    head_dim = _value(reader, f"{arch}.attention.key_length", hidden // heads)
+    rotary_dims = _value(reader, f"{arch}.rope.dimension_count", head_dim)
+    if rotary_dims != head_dim:
+        raise UnsupportedModelError(
+            f"{reader.data.filename}: rotary embedding on {rotary_dims} of {head_dim} head dims"
+        )
+    vocab_size = _value(reader, f"{arch}.vocab_size")
+    if vocab_size is None and (tokens := reader.get_field("tokenizer.ggml.tokens")) is not None:
+        vocab_size = len(tokens.data)
+    if vocab_size is None:
+        embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        if embedding is None:
+            raise ModelLoadError(f"{reader.data.filename}: no vocab size and no token_embd.weight")
+        vocab_size = int(embedding.shape[-1])  # ne order: rows come last
+    rope_theta = float(_value(reader, f"{arch}.rope.freq_base", 10000.0))
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=_required(reader, f"{arch}.feed_forward_length"),
+        num_layers=_required(reader, f"{arch}.block_count"),
+        num_heads=heads,
+        num_kv_heads=_value(reader, f"{arch}.attention.head_count_kv", heads),
+        head_dim=head_dim,
+        max_position_embeddings=_required(reader, f"{arch}.context_length"),
+        rms_norm_eps=_required(reader, f"{arch}.attention.layer_norm_rms_epsilon"),
+        rope_theta=rope_theta,
+        rope_scaling=_rope_scaling(reader, arch, head_dim, rope_theta),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+    )
+
+
+def _tensor_names(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """GGUF tensor name -> (Hugging Face name, HF shape)."""
+    h, ffn, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    names = {
+        "token_embd.weight": ("model.embed_tokens.weight", (vocab, h)),
+        "output_norm.weight": ("model.norm.weight", (h,)),
+    }
+    if not config.tie_word_embeddings:
+        names["output.weight"] = ("lm_head.weight", (vocab, h))
+    layer = {
+        "attn_norm.weight": ("input_layernorm.weight", (h,)),
+        "attn_q.weight": ("self_attn.q_proj.weight", (q, h)),
+        "attn_k.weight": ("self_attn.k_proj.weight", (kv, h)),
+        "attn_v.weight": ("self_attn.v_proj.weight", (kv, h)),
+        "attn_output.weight": ("self_attn.o_proj.weight", (h, q)),
+        "ffn_norm.weight": ("post_attention_layernorm.weight", (h,)),
+        "ffn_gate.weight": ("mlp.gate_proj.weight", (ffn, h)),
+        "ffn_up.weight": ("mlp.up_proj.weight", (ffn, h)),
+        "ffn_down.weight": ("mlp.down_proj.weight", (h, ffn)),
+    }
+    if config.attention_bias:
+        layer["attn_q.bias"] = ("self_attn.q_proj.bias", (q,))
+        layer["attn_k.bias"] = ("self_attn.k_proj.bias", (kv,))
+        layer["attn_v.bias"] = ("self_attn.v_proj.bias", (kv,))
+    if config.qk_norm:
+        layer["attn_q_norm.weight"] = ("self_attn.q_norm.weight", (config.head_dim,))
+        layer["attn_k_norm.weight"] = ("self_attn.k_norm.weight", (config.head_dim,))
+    for i in range(config.num_layers):
+        for gguf_name, (hf_name, shape) in layer.items():
+            names[f"blk.{i}.{gguf_name}"] = (f"model.layers.{i}.{hf_name}", shape)
+    return names
+
+
+def _unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Invert llama.cpp's convert-time row permutation of q/k for the llama architecture.
+
+    HF rotates the first half of each head against the second half; llama.cpp's llama kernels
+    rotate adjacent pairs, so its converter interleaves each head's rows: stored row 2i + j is
+    HF row j * d/2 + i. Indexing the rows as (i, j) and transposing to (j, i) undoes that.
+    """
+    pairs = w.shape[0] // n_head // 2
+    return w.reshape(n_head, pairs, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_weights(
+    reader: gguf.GGUFReader, config: ModelConfig, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """Dequantize every tensor into a state dict with Hugging Face names and shapes."""
+    expected = _tensor_names(config)
+    where = reader.data.filename
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in tqdm(reader.tensors, desc="loading GGUF", unit="tensor", disable=None):
+        if tensor.name == ROPE_FREQS:
+            continue  # already folded into config.rope_scaling
+        if tensor.name not in expected:
+            raise UnsupportedModelError(f"{where}: unexpected tensor {tensor.name!r}")
+        if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
+            raise UnsupportedModelError(
+                f"{where}: tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}; "
+                f"tinyllm reads {', '.join(t.name for t in SUPPORTED_TENSOR_TYPES)}"
+            )
+        hf_name, shape = expected[tensor.name]
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if values.shape != shape:
+            raise ModelLoadError(
+                f"{where}: tensor {tensor.name!r} has shape {values.shape}, config implies {shape}"
+            )
+        w = torch.from_numpy(np.array(values, dtype=np.float32))  # copy off the read-only map
+        if config.architecture == "llama" and ".attn_q." in tensor.name:
+            w = _unpermute_rotary(w, config.num_heads)
+        elif config.architecture == "llama" and ".attn_k." in tensor.name:
+            w = _unpermute_rotary(w, config.num_kv_heads)
+        weights[hf_name] = w.to(dtype)
+    missing = [hf_name for hf_name, _ in expected.values() if hf_name not in weights]
+    if missing:
+        raise ModelLoadError(f"{where}: missing tensors {', '.join(missing[:5])}")
+    return weights
+
+
+def load_gguf(
+    path: str | os.PathLike, dtype: torch.dtype = torch.float32
+) -> tuple[ModelConfig, dict[str, torch.Tensor], gguf.GGUFReader]:
+    """Open, configure and dequantize in one go; the reader still holds vocab and chat template."""
+    reader = open_gguf(path)
+    config = gguf_config(reader)
+    return config, gguf_weights(reader, config, dtype), reader

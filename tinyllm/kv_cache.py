@@ -1,0 +1,191 @@
+"""Contiguous KV caches: the prefill cache and the slot cache (the baseline the paged cache beats).
+
+Both keep keys/values as (rows, kv_heads, max_len, head_dim) per layer. Positions are real
+token positions (a left-padded prompt's first real token is position 0), the same as the
+reference implementation's position_ids, so batching never shifts RoPE.
+"""
+
+import torch
+from torch import Tensor
+
+
+class KVCache:
+    """A batch of left-padded prompts, prefilled (and optionally decoded) together.
+
+    `k[i]`, `v[i]` are (B, H, max_len, D); `pos` is how many columns are filled. Row b has
+    `pad_lens[b]` padding columns on the left, which attention masks out.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        pad_lens: list[int],
+        n_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        B = len(pad_lens)
+        shape = (B, n_kv_heads, max_len, head_dim)
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.max_len, self.pos = max_len, 0
+        self.pad = torch.tensor(pad_lens, device=device)
+        self.attn_kwargs: dict = {}
+
+    def begin_step(self, T: int, rope) -> tuple[Tensor, Tensor]:
+        if self.pos + T > self.max_len:
+            raise ValueError(f"{self.pos + T} tokens exceed this cache's max_len {self.max_len}")
+        dev = self.pad.device
+        q_col = torch.arange(self.pos, self.pos + T, device=dev)
+        if self.pos == 0 and not self.pad.any():
+            self.attn_kwargs = {"is_causal": True}
+        else:
+            k_col = torch.arange(self.pos + T, device=dev)
+            real = k_col[None, :] >= self.pad[:, None]  # (B, S)
+            causal = k_col[None, :] <= q_col[:, None]  # (T, S)
+            # A padding query attends to itself only, so its softmax row is never empty (NaN).
+            mask = (real[:, None, :] & causal) | (k_col == q_col[:, None])
+            self.attn_kwargs = {"attn_mask": mask[:, None]}
+        return rope.at((q_col[None, :] - self.pad[:, None]).clamp(min=0))
+
+    def layer(self, i: int) -> "_ContiguousLayerKV":
+        return _ContiguousLayerKV(self, i)
+
+    def end_step(self, T: int) -> None:
+        self.pos += T
+
+
+class _ContiguousLayerKV:
+    def __init__(self, cache: KVCache, i: int):
+        self.cache, self.i = cache, i
+
+    @property
+    def attn_kwargs(self) -> dict:
+        return self.cache.attn_kwargs
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        c, i, T = self.cache, self.i, k.shape[2]
+        c.k[i][:, :, c.pos : c.pos + T] = k
+        c.v[i][:, :, c.pos : c.pos + T] = v
+        return c.k[i][:, :, : c.pos + T], c.v[i][:, :, : c.pos + T]
+
+
+class SlotKVCache:
+    """S slots, each reserving max_len tokens up front: simple, and wasteful by design.
+
+    Same scheduling calls as PagedKVCache (free_slots / can_admit / admit / release /
+    reserve_step) and the same model protocol, decoding one token for every active slot.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_slots: int,
+        n_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        shape = (n_slots, n_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.n_slots, self.max_len = n_slots, max_len
+        self.lens = [0] * n_slots
+        self.active = [False] * n_slots
+        self.attn_kwargs: dict = {}
+        self._rows: Tensor | slice = slice(0, 0)
+        self._lens_dev = torch.zeros(0, dtype=torch.long, device=device)
+
+    # -- scheduling --------------------------------------------------------
+
+    def free_slots(self) -> list[int]:
+        return [s for s in range(self.n_slots) if not self.active[s]]
+
+    def active_slots(self) -> list[int]:
+        return [s for s in range(self.n_slots) if self.active[s]]
+
+    def fits_ever(self, length: int) -> bool:
+        return length < self.max_len
+
+    def can_admit(self, lengths: list[int]) -> bool:
+        return len(lengths) <= len(self.free_slots()) and all(map(self.fits_ever, lengths))
+
+    def admit(self, slots: list[int], prefill: KVCache, pad_lens: list[int]) -> None:
+        L = prefill.pos
+        for j, (s, p) in enumerate(zip(slots, pad_lens, strict=True)):
+            n = L - p
+            if not self.fits_ever(n):
+                raise ValueError(f"prompt length {n} >= max_len {self.max_len}")
+            for i in range(len(self.k)):
+                self.k[i][s, :, :n] = prefill.k[i][j, :, p:L]
+                self.v[i][s, :, :n] = prefill.v[i][j, :, p:L]
+            self.lens[s], self.active[s] = n, True
+
+    def release(self, slot: int) -> None:
+        self.lens[slot], self.active[slot] = 0, False
+
+    def reserve_step(self) -> list[int]:
+        """Every slot already owns max_len tokens, so a step never needs to preempt."""
+        return []
+
+    def used_tokens(self) -> int:
+        return sum(n for n, a in zip(self.lens, self.active, strict=True) if a)
+
+    def allocated_tokens(self) -> int:
+        return sum(self.active) * self.max_len
+
+    def reserved_tokens(self) -> int:
+        return self.n_slots * self.max_len
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    # -- model protocol (decode: one token per active slot) -----------------
+
+    def begin_step(self, T: int, rope) -> tuple[Tensor, Tensor]:
+        if T != 1:
+            raise ValueError("SlotKVCache decodes one token per slot; prefill goes through KVCache")
+        rows = self.active_slots()
+        lens = [self.lens[s] for s in rows]
+        if max(lens) >= self.max_len:
+            raise ValueError(f"a sequence is full (max_len {self.max_len})")
+        dev = self.k[0].device
+        # Slots are handed out lowest first, so the active ones are usually a prefix: a slice
+        # reads them without copying.
+        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+        self._rows = slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows, device=dev)
+        self._lens_dev = torch.tensor(lens, device=dev)
+        self._n_read = max(lens) + 1
+        k_pos = torch.arange(self._n_read, device=dev)
+        self.attn_kwargs = {"attn_mask": (k_pos <= self._lens_dev[:, None])[:, None, None, :]}
+        return rope.at(self._lens_dev[:, None])
+
+    def end_step(self, T: int) -> None:
+        for s in self.active_slots():
+            self.lens[s] += 1
+
+    def layer(self, i: int) -> "_SlotLayerKV":
+        return _SlotLayerKV(self, i)
+
+
+class _SlotLayerKV:
+    def __init__(self, cache: SlotKVCache, i: int):
+        self.cache, self.i = cache, i
+
+    @property
+    def attn_kwargs(self) -> dict:
+        return self.cache.attn_kwargs
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        c, i = self.cache, self.i
+        kc, vc = c.k[i][c._rows], c.v[i][c._rows]  # a view when _rows is a slice
+        r = torch.arange(k.shape[0], device=k.device)
+        kc[r, :, c._lens_dev] = k[:, :, 0]
+        vc[r, :, c._lens_dev] = v[:, :, 0]
+        if isinstance(c._rows, Tensor):  # kc/vc were copies: write the new token back
+            c.k[i][c._rows, :, c._lens_dev] = k[:, :, 0]
+            c.v[i][c._rows, :, c._lens_dev] = v[:, :, 0]
+        return kc[:, :, : c._n_read], vc[:, :, : c._n_read]

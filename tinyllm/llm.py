@@ -1,0 +1,106 @@
+"""The offline Python API: `LLM(model).generate(prompts, params)`, as vLLM users know it."""
+
+import time
+
+import torch
+from tqdm import tqdm
+
+from tinyllm.engine import EngineConfig, LLMEngine
+from tinyllm.model import Transformer
+from tinyllm.model_source import load_model
+from tinyllm.outputs import RequestOutput
+from tinyllm.sampling_params import SamplingParams
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """float32 on CPU (fast and exact there), bfloat16 on CUDA, unless told otherwise."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: choose one of {', '.join(DTYPES)} or 'auto'")
+    return DTYPES[dtype]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str | torch.dtype | None = None,
+        device: str | None = None,
+        **engine_args,
+    ):
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        torch_dtype = resolve_dtype(dtype, dev)
+        loaded = load_model(model, dtype=torch_dtype)
+        with torch.device("meta"):
+            net = Transformer(loaded.config)
+        net.load_weights({k: v.to(dev, torch_dtype) for k, v in loaded.weights.items()})
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.engine = LLMEngine(net.eval(), loaded.tokenizer, EngineConfig(**engine_args))
+
+    def generate(
+        self,
+        prompts: str | list[int] | list[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        encoded = [
+            (p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, list(p))
+            for p in prompts
+        ]
+        return self._submit(encoded, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        rendered = [self.tokenizer.apply_chat_template(c) for c in conversations]
+        # The template writes any BOS itself, so the tokenizer must not add another.
+        encoded = [(r, self.tokenizer.encode(r, add_special_tokens=False)) for r in rendered]
+        return self._submit(encoded, params, use_tqdm)
+
+    def _submit(
+        self,
+        prompts: list[tuple[str | None, list[int]]],
+        params: SamplingParams | list[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        if isinstance(params, list):
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        else:
+            params = [params or SamplingParams()] * len(prompts)
+        engine = self.engine
+        for (_, ids), p in zip(prompts, params, strict=True):  # refuse before anything starts
+            engine.validate_prompt(ids, p)
+        request_ids = [
+            engine.add_request(text, p, prompt_token_ids=ids)
+            for (text, ids), p in zip(prompts, params, strict=True)
+        ]
+        return self._run(request_ids, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="requests", unit="req", disable=not use_tqdm)
+        start, tokens0 = time.perf_counter(), self.engine.generation_tokens
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+            rate = (self.engine.generation_tokens - tokens0) / (time.perf_counter() - start)
+            bar.set_postfix(tok_s=f"{rate:.1f}")
+        bar.close()
+        return [done[r] for r in request_ids]

