@@ -107,7 +107,8 @@ def test_preemption_reproduces_outputs(default_llm, workload, alone):
     }
     engine = _engine(default_llm, num_blocks=12, block_size=16, max_num_seqs=8)
     done = _run(engine, prompts, params)
-    assert engine.stats().num_preemptions > 0
+    stats = engine.stats()
+    assert stats.num_preemptions > 0 and stats.recomputed_tokens > 40 * stats.num_preemptions
     assert engine.cache.alloc.num_used == 0 and engine.cache.alloc.peak_used == 12
     for i, r in ref.items():
         assert len(done[i].token_ids) == 48

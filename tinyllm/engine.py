@@ -54,6 +54,7 @@ class EngineStats:
     kv_blocks_total: int
     kv_usage: float  # fraction of the cache's token capacity allocated
     num_preemptions: int
+    recomputed_tokens: int  # prefill work redone for preempted sequences
     prompt_tokens: int
     generation_tokens: int
 
@@ -102,7 +103,7 @@ class LLMEngine:
         self.device = model.lm_head.weight.device
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
-        self.prompt_tokens = self.generation_tokens = 0
+        self.prompt_tokens = self.generation_tokens = self.recomputed_tokens = 0
 
     # -- API ------------------------------------------------------------------
 
@@ -170,6 +171,7 @@ class LLMEngine:
             kv_blocks_total=total,
             kv_usage=c.allocated_tokens() / c.reserved_tokens(),
             num_preemptions=self.scheduler.num_preemptions,
+            recomputed_tokens=self.recomputed_tokens,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
         )
@@ -213,6 +215,7 @@ class LLMEngine:
         self.cache.admit(slots, prefill, pad)
         self.scheduler.start(seqs, slots)
         self.prompt_tokens += sum(len(s.prompt_token_ids) for s in seqs if not s.num_preemptions)
+        self.recomputed_tokens += sum(s.num_tokens for s in seqs if s.num_preemptions)
         self._append(seqs, self.model.logits(hidden[:, -1]))
 
     def _decode(self, seqs: list[Sequence]) -> None:

@@ -1,0 +1,73 @@
+"""`tinyllm generate` as a user runs it: streamed answer and summary, or one-line errors."""
+
+import io
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _tinyllm(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tinyllm.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        input=stdin,
+    )
+
+
+def test_generate_answers_and_summarises():
+    r = _tinyllm("generate", "What is the capital of France?", "--max-tokens", "24")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    summary = r.stderr.strip().splitlines()[-1]
+    assert "generated" in summary and "tok/s" in summary and "finish: stop" in summary
+
+
+def test_chat_keeps_the_conversation(default_llm, monkeypatch, capsys):
+    """The REPL sends the whole conversation, earlier answers included, on every turn."""
+    from tinyllm import cli
+
+    seen = []
+    render = default_llm.tokenizer.apply_chat_template
+    monkeypatch.setattr(
+        default_llm.tokenizer,
+        "apply_chat_template",
+        lambda msgs, **kw: seen.append([dict(m) for m in msgs]) or render(msgs),
+    )
+    monkeypatch.setattr(cli, "build_llm", lambda args: default_llm)
+    monkeypatch.setattr("sys.stdin", io.StringIO("My name is Ada.\nWhat is my name?\n\n"))
+    assert cli.main(["chat", "--max-tokens", "8"]) == 0
+    first_reply = capsys.readouterr().out.split("> ")[1].strip()
+    assert [m["role"] for m in seen[1]] == ["user", "assistant", "user"]
+    assert seen[1][0]["content"] == "My name is Ada."
+    assert seen[1][1]["content"].strip() == first_reply and first_reply
+    assert seen[1][2]["content"] == "What is my name?"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "/no/such/model.gguf"], "no such model file or directory"),
+        (["--temperature", "-1"], "temperature"),
+        (["--max-model-len", "8"], "context is 8 tokens"),
+        (["--kv-cache", "slot", "--max-tokens", "0"], "max_tokens"),
+    ],
+)
+def test_bad_input_is_one_line_without_traceback(args, message):
+    r = _tinyllm("generate", "What is the capital of France? " * 3, *args)
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert "Traceback" not in r.stderr
+    assert lines[-1].startswith("tinyllm: error:") and message in lines[-1], r.stderr
+
+
+def test_corrupt_gguf_is_one_line(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 64)
+    r = _tinyllm("generate", "hi", "--model", str(bad))
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "broken.gguf" in r.stderr.strip().splitlines()[-1]
