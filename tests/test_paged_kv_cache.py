@@ -5,7 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinyllm.kv_cache import KVCache, SlotKVCache
+from tinyllm.config import ModelConfig
+from tinyllm.kv_cache import KVCache, PackedKVCache, SlotKVCache
+from tinyllm.model import Transformer
 from tinyllm.paged_kv_cache import BlockAllocator, OutOfBlocks, PagedKVCache
 
 H, D, LAYERS = 2, 4, 2
@@ -33,8 +35,8 @@ def test_allocator_lowest_first_lifo_and_double_free():
     assert a.peak_used == 4 and a.num_used == 3
 
 
-def _prefill(lengths: list[int], gen: torch.Generator) -> tuple[KVCache, list[int], list]:
-    """A left-padded prefill cache with random K/V; returns it, the pads, and each row's tokens."""
+def _prefill(lengths: list[int], gen: torch.Generator) -> tuple[KVCache, list]:
+    """A left-padded prefill cache with random K/V; returns it and each row's real tokens."""
     L = max(lengths)
     pads = [L - n for n in lengths]
     pre = KVCache(LAYERS, pads, H, D, L, torch.float32, "cpu")
@@ -46,7 +48,7 @@ def _prefill(lengths: list[int], gen: torch.Generator) -> tuple[KVCache, list[in
         [(pre.k[i][j, :, p:].clone(), pre.v[i][j, :, p:].clone()) for i in range(LAYERS)]
         for j, p in enumerate(pads)
     ]
-    return pre, pads, rows
+    return pre, rows
 
 
 def _decode(cache, ref: dict, gen: torch.Generator) -> None:
@@ -98,9 +100,9 @@ def test_paged_cache_random_workload(n_blocks, block_size, ops):
     ref: dict = {}
     for op, n in ops:
         if op == "admit" and cache.free_slots() and cache.can_admit([n]):
-            pre, pads, rows = _prefill([n], gen)
+            pre, rows = _prefill([n], gen)
             slot = cache.free_slots()[0]
-            cache.admit([slot], pre, pads)
+            cache.admit([slot], pre)
             ref[slot] = rows[0]
         elif op == "step" and cache.active_slots():
             for v in cache.reserve_step():
@@ -121,8 +123,8 @@ def test_reserve_step_preempts_newest_first():
     cache = PagedKVCache(LAYERS, 3, H, D, 3, 2, 16, torch.float32, "cpu")
     gen = torch.Generator().manual_seed(0)
     for slot in range(3):  # three sequences of one full block each: the pool is full
-        pre, pads, _ = _prefill([2], gen)
-        cache.admit([slot], pre, pads)
+        pre, _ = _prefill([2], gen)
+        cache.admit([slot], pre)
     assert not cache.can_admit([1])
     assert cache.reserve_step() == [2, 1]  # each needs a new block; free the newest two
     assert cache.active_slots() == [0] and cache.alloc.num_free == 2
@@ -130,14 +132,35 @@ def test_reserve_step_preempts_newest_first():
 
 def test_batched_admit_drops_padding_and_slot_cache_matches():
     gen = torch.Generator().manual_seed(1)
-    pre, pads, rows = _prefill([5, 2, 7], gen)
+    pre, rows = _prefill([5, 2, 7], gen)
     paged = PagedKVCache(LAYERS, 4, H, D, 9, 4, 32, torch.float32, "cpu")
     slot = SlotKVCache(LAYERS, 4, H, D, 32, torch.float32, "cpu")
     for cache in (paged, slot):
-        cache.admit([0, 2, 3], pre, pads)
+        cache.admit([0, 2, 3], pre)
         ref = {s: [tuple(t.clone() for t in kv) for kv in rows[j]] for j, s in enumerate([0, 2, 3])}
         assert cache.used_tokens() == 14
         for _ in range(6):
             _decode(cache, ref, gen)
     assert paged.allocated_tokens() == 4 * (3 + 2 + 4)  # ceil(11/4) + ceil(8/4) + ceil(13/4)
     assert slot.allocated_tokens() == 3 * 32
+
+
+def test_packed_prefill_equals_each_prompt_alone():
+    """Packing prompts end to end gives each the logits and K/V it gets alone, and admitting
+    from the packed cache stores exactly those K/V."""
+    torch.manual_seed(0)
+    cfg = ModelConfig("llama", 50, 32, 48, 2, 4, 2, 8, 64)
+    model = Transformer(cfg)
+    model.load_weights(dict(model.state_dict()))
+    prompts = [torch.randint(0, 50, (n,)).tolist() for n in (5, 1, 12)]
+    packed = PackedKVCache(2, [len(p) for p in prompts], 2, 8, torch.float32, "cpu")
+    hidden = model(torch.tensor([sum(prompts, [])]), packed)[0]
+    paged = PagedKVCache(2, 3, 2, 8, 8, 4, 64, torch.float32, "cpu")
+    paged.admit([2, 0, 1], packed)
+    for p, slot, last in zip(prompts, [2, 0, 1], packed.last_token_index(), strict=True):
+        alone = KVCache(2, [0], 2, 8, len(p), torch.float32, "cpu")
+        ref = model(torch.tensor([p]), alone)[0]
+        torch.testing.assert_close(hidden[last], ref[-1], atol=1e-5, rtol=0)
+        blocks = torch.tensor(paged.tables[slot])
+        stored = paged.k[1][blocks].reshape(-1, 2, 8)[: len(p)]  # token-major blocks
+        torch.testing.assert_close(stored, alone.k[1][0].transpose(0, 1), atol=1e-5, rtol=0)

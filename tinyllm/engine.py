@@ -1,6 +1,6 @@
 """The continuous-batching engine: add requests any time, call step() until they finish.
 
-Each step: admit what fits (prefilled together as one left-padded batch), make room for the
+Each step: admit what fits (prefilled together, packed without padding), make room for the
 next decode token (preempting the newest sequences if blocks run out), decode one token for
 every running sequence, and hand back every request that advanced.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tinyllm.kv_cache import KVCache, SlotKVCache
+from tinyllm.kv_cache import PackedKVCache, SlotKVCache
 from tinyllm.model import Transformer
 from tinyllm.outputs import RequestOutput
 from tinyllm.paged_kv_cache import PagedKVCache
@@ -33,7 +33,7 @@ class EngineConfig:
     kv_cache_memory: int = 2 << 30  # bytes of K and V, all layers
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's context length
-    max_prefill_tokens: int = 4096  # padded tokens per prefill batch
+    max_prefill_tokens: int = 4096  # prompt tokens packed into one prefill step
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -117,9 +117,14 @@ class LLMEngine:
                 f"(the prompt must leave room for at least one generated token)"
             )
         vocab = self.model.config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        for what, ids in (
+            ("prompt", prompt_token_ids),
+            ("logit_bias", params.logit_bias),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{what} token id {bad[0]} is outside the vocabulary [0, {vocab})")
 
     def add_request(
         self,
@@ -201,22 +206,26 @@ class LLMEngine:
         return [s.output() for s in advanced.values()]
 
     def _prefill(self, seqs: list[Sequence]) -> None:
-        """Prefill the batch left-padded, sample each one's next token, move it into the cache."""
-        L = max(s.num_tokens for s in seqs)
-        pad = [L - s.num_tokens for s in seqs]
-        ids = torch.tensor(
-            [[0] * p + s.all_token_ids for p, s in zip(pad, seqs, strict=True)], device=self.device
-        )
+        """Prefill the batch packed, sample each one's next token, move it into the cache."""
         c = self.model.config
         w = self.model.lm_head.weight
-        prefill = KVCache(c.num_layers, pad, c.num_kv_heads, c.head_dim, L, w.dtype, self.device)
-        hidden = self.model(ids, prefill)
+        prefill = PackedKVCache(
+            c.num_layers,
+            [s.num_tokens for s in seqs],
+            c.num_kv_heads,
+            c.head_dim,
+            w.dtype,
+            self.device,
+        )
+        ids = torch.tensor([[t for s in seqs for t in s.all_token_ids]], device=self.device)
+        hidden = self.model(ids, prefill)[0]
         slots = self.cache.free_slots()[: len(seqs)]
-        self.cache.admit(slots, prefill, pad)
+        self.cache.admit(slots, prefill)
         self.scheduler.start(seqs, slots)
         self.prompt_tokens += sum(len(s.prompt_token_ids) for s in seqs if not s.num_preemptions)
         self.recomputed_tokens += sum(s.num_tokens for s in seqs if s.num_preemptions)
-        self._append(seqs, self.model.logits(hidden[:, -1]))
+        last = torch.tensor(prefill.last_token_index(), device=self.device)
+        self._append(seqs, self.model.logits(hidden[last]))
 
     def _decode(self, seqs: list[Sequence]) -> None:
         ids = torch.tensor([[s.output_token_ids[-1]] for s in seqs], device=self.device)

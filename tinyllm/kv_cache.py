@@ -1,12 +1,40 @@
-"""Contiguous KV caches: the prefill cache and the slot cache (the baseline the paged cache beats).
+"""Contiguous KV caches: the prefill caches and the slot cache (the baseline the paged cache beats).
 
-Both keep keys/values as (rows, kv_heads, max_len, head_dim) per layer. Positions are real
-token positions (a left-padded prompt's first real token is position 0), the same as the
-reference implementation's position_ids, so batching never shifts RoPE.
+Every cache's layer view stores new keys/values and attends over what the sequence may see:
+`layer(i).attention(q, k, v)`. The default is SDPA over `update(k, v)` with `attn_kwargs`; a
+cache that knows a cheaper way (PackedKVCache: one causal SDPA per prompt) overrides it.
+
+Positions are real token positions (a left-padded prompt's first real token is position 0), the
+same as the reference implementation's position_ids, so batching never shifts RoPE.
 """
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+
+
+class LayerKV:
+    """One layer's view of a cache; subclasses say how to store and what to read."""
+
+    def __init__(self, cache, i: int):
+        self.cache, self.i = cache, i
+
+    @property
+    def attn_kwargs(self) -> dict:
+        return self.cache.attn_kwargs
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q (B, Hq, T, D), new k/v (B, H, T, D) -> attention output (B, Hq, T, D)."""
+        k, v = self.update(k, v)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **self.attn_kwargs)
+
+
+def _token_major(pool: Tensor) -> Tensor:
+    """(B, H, L, D) -> (B*L, H, D): row-major token order, for copying spans into another cache."""
+    return pool.transpose(1, 2).reshape(-1, pool.shape[1], pool.shape[3])
 
 
 class KVCache:
@@ -56,20 +84,85 @@ class KVCache:
     def end_step(self, T: int) -> None:
         self.pos += T
 
+    def spans(self) -> list[tuple[int, int]]:
+        """Each row's real tokens as (start, length) in `_token_major` order."""
+        return [(j * self.max_len + p, self.pos - p) for j, p in enumerate(self.pad.tolist())]
 
-class _ContiguousLayerKV:
-    def __init__(self, cache: KVCache, i: int):
-        self.cache, self.i = cache, i
+    def token_major(self, i: int) -> tuple[Tensor, Tensor]:
+        return _token_major(self.k[i]), _token_major(self.v[i])
 
-    @property
-    def attn_kwargs(self) -> dict:
-        return self.cache.attn_kwargs
 
+class _ContiguousLayerKV(LayerKV):
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         c, i, T = self.cache, self.i, k.shape[2]
         c.k[i][:, :, c.pos : c.pos + T] = k
         c.v[i][:, :, c.pos : c.pos + T] = v
         return c.k[i][:, :, : c.pos + T], c.v[i][:, :, : c.pos + T]
+
+
+class PackedKVCache:
+    """Prompts packed end to end in one row for a single prefill step: no padding computed.
+
+    The linear layers see one (1, N) batch of every prompt's tokens; attention runs causally
+    within each prompt, one SDPA call per prompt, so no token looks across a boundary and no
+    compute goes to an N x N mask. Positions restart at 0 for every prompt.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        lengths: list[int],
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        self.lengths, N = lengths, sum(lengths)
+        self.starts = [0]
+        for n in lengths[:-1]:
+            self.starts.append(self.starts[-1] + n)
+        shape = (1, n_kv_heads, N, head_dim)
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
+        self.attn_kwargs: dict = {}
+
+    def begin_step(self, T: int, rope) -> tuple[Tensor, Tensor]:
+        if T != self.positions.shape[1]:
+            raise ValueError(f"a packed prefill runs all {self.positions.shape[1]} tokens at once")
+        return rope.at(self.positions)
+
+    def layer(self, i: int) -> "_PackedLayerKV":
+        return _PackedLayerKV(self, i)
+
+    def end_step(self, T: int) -> None:
+        pass
+
+    def spans(self) -> list[tuple[int, int]]:
+        return list(zip(self.starts, self.lengths, strict=True))
+
+    def last_token_index(self) -> list[int]:
+        return [s + n - 1 for s, n in self.spans()]
+
+    def token_major(self, i: int) -> tuple[Tensor, Tensor]:
+        return _token_major(self.k[i]), _token_major(self.v[i])
+
+
+class _PackedLayerKV(LayerKV):
+    def attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        c = self.cache
+        c.k[self.i].copy_(k)
+        c.v[self.i].copy_(v)
+        out = torch.empty_like(q)
+        for s, n in c.spans():
+            out[:, :, s : s + n] = F.scaled_dot_product_attention(
+                q[:, :, s : s + n],
+                k[:, :, s : s + n],
+                v[:, :, s : s + n],
+                is_causal=True,
+                enable_gqa=True,
+            )
+        return out
 
 
 class SlotKVCache:
@@ -113,15 +206,17 @@ class SlotKVCache:
     def can_admit(self, lengths: list[int]) -> bool:
         return len(lengths) <= len(self.free_slots()) and all(map(self.fits_ever, lengths))
 
-    def admit(self, slots: list[int], prefill: KVCache, pad_lens: list[int]) -> None:
-        L = prefill.pos
-        for j, (s, p) in enumerate(zip(slots, pad_lens, strict=True)):
-            n = L - p
+    def admit(self, slots: list[int], prefill) -> None:
+        """Copy prefill sequence j (its `spans()[j]`, real tokens only) into slots[j]."""
+        spans = prefill.spans()
+        for _, n in spans:
             if not self.fits_ever(n):
                 raise ValueError(f"prompt length {n} >= max_len {self.max_len}")
-            for i in range(len(self.k)):
-                self.k[i][s, :, :n] = prefill.k[i][j, :, p:L]
-                self.v[i][s, :, :n] = prefill.v[i][j, :, p:L]
+        for i in range(len(self.k)):
+            for pool, src in zip((self.k[i], self.v[i]), prefill.token_major(i), strict=True):
+                for s, (start, n) in zip(slots, spans, strict=True):
+                    pool[s, :, :n] = src[start : start + n].transpose(0, 1)
+        for s, (_, n) in zip(slots, spans, strict=True):
             self.lens[s], self.active[s] = n, True
 
     def release(self, slot: int) -> None:
@@ -171,14 +266,7 @@ class SlotKVCache:
         return _SlotLayerKV(self, i)
 
 
-class _SlotLayerKV:
-    def __init__(self, cache: SlotKVCache, i: int):
-        self.cache, self.i = cache, i
-
-    @property
-    def attn_kwargs(self) -> dict:
-        return self.cache.attn_kwargs
-
+class _SlotLayerKV(LayerKV):
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         c, i = self.cache, self.i
         kc, vc = c.k[i][c._rows], c.v[i][c._rows]  # a view when _rows is a slice

@@ -5,8 +5,8 @@ The model knows nothing about batching or memory: it talks to a KV cache through
 the founding design (seed/paged_kv_cache.py):
 
     cos, sin = cache.begin_step(T, rope)      # where each new token sits; rope.at(positions)
-    k, v = cache.layer(i).update(k, v)        # store the new keys/values, get all to attend to
-    sdpa(q, k, v, **cache.layer(i).attn_kwargs)
+    out = cache.layer(i).attention(q, k, v)   # store the new keys/values, attend over the
+                                              # sequence's own (SDPA over update(k, v) by default)
     cache.end_step(T)
 
 so a contiguous prefill cache, a slot cache and a paged cache are interchangeable.
@@ -103,8 +103,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v = kv.update(k, v)
-        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kv.attn_kwargs)
+        out = kv.attention(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 

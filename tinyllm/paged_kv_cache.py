@@ -22,7 +22,7 @@ import math
 import torch
 from torch import Tensor
 
-from tinyllm.kv_cache import KVCache
+from tinyllm.kv_cache import LayerKV
 
 
 class OutOfBlocks(RuntimeError):
@@ -118,13 +118,12 @@ class PagedKVCache:
         need = sum(self._blocks_for(n + 1) for n in lengths)
         return len(lengths) <= len(self.free_slots()) and need <= self.alloc.num_free
 
-    def admit(self, slots: list[int], prefill: KVCache, pad_lens: list[int]) -> None:
-        """Copy row j of a padded prefill (real tokens only) into fresh blocks for slots[j]."""
-        L = prefill.pos
+    def admit(self, slots: list[int], prefill) -> None:
+        """Copy prefill sequence j (its `spans()[j]`, real tokens only) into fresh blocks for
+        slots[j]."""
         dev = self._table_dev.device
         src, dst = [], []
-        for j, (s, p) in enumerate(zip(slots, pad_lens, strict=True)):
-            n = L - p
+        for s, (start, n) in zip(slots, prefill.spans(), strict=True):
             if n >= self.max_len:
                 raise ValueError(f"prompt length {n} >= max_len {self.max_len}")
             blocks = [self.alloc.alloc() for _ in range(self._blocks_for(n))]
@@ -135,12 +134,12 @@ class PagedKVCache:
             self._table_dev[s].fill_(self.scratch)
             self._table_dev[s, : len(blocks)] = torch.tensor(blocks, device=dev)
             t = torch.arange(n)
-            src.append(j * L + p + t)  # row j, column p + t of the padded prefill
+            src.append(start + t)
             dst.append(torch.tensor(blocks, dtype=torch.long)[t // self.bs] * self.bs + t % self.bs)
         src, dst = torch.cat(src).to(dev), torch.cat(dst).to(dev)
-        for pool, pre in zip(self.k + self.v, prefill.k + prefill.v, strict=True):
-            tokens = pre[:, :, :L].transpose(1, 2).reshape(-1, *pool.shape[2:])  # (B*L, H, D)
-            pool.view(-1, *pool.shape[2:]).index_copy_(0, dst, tokens.index_select(0, src))
+        for i in range(len(self.k)):
+            for pool, tokens in zip((self.k[i], self.v[i]), prefill.token_major(i), strict=True):
+                pool.view(-1, *pool.shape[2:]).index_copy_(0, dst, tokens.index_select(0, src))
 
     def release(self, slot: int) -> None:
         self.alloc.free(self.tables[slot])
@@ -220,14 +219,7 @@ class PagedKVCache:
         return PagedLayerKV(self, i)
 
 
-class PagedLayerKV:
-    def __init__(self, cache: PagedKVCache, layer_idx: int):
-        self.cache, self.i = cache, layer_idx
-
-    @property
-    def attn_kwargs(self) -> dict:
-        return self.cache.attn_kwargs
-
+class PagedLayerKV(LayerKV):
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """k, v (R, H, 1, D): write each row's token into its block, then gather its blocks."""
         c = self.cache

@@ -19,8 +19,13 @@ def _apply_penalties(logits: Tensor, seqs: list[Sequence]) -> None:
         if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
             counts = torch.bincount(torch.tensor(seq.output_token_ids), minlength=V)[:V]
             logits[r] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-        for tok, bias in p.logit_bias.items():
-            logits[r, tok] += bias
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+            logits[r].index_add_(
+                0,
+                ids,
+                torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device),
+            )
 
 
 def _filter(logits: Tensor, seqs: list[Sequence]) -> Tensor:
@@ -35,7 +40,7 @@ def _filter(logits: Tensor, seqs: list[Sequence]) -> Tensor:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         V = logits.shape[1]
         rank = torch.arange(V, device=dev)
-        k = torch.tensor([k or V for k in top_k], device=dev)[:, None]
+        k = torch.tensor([min(k, V) or V for k in top_k], device=dev)[:, None]
         cut = rank >= k
         probs = sorted_logits.softmax(-1)
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).

@@ -39,6 +39,7 @@ class SamplingParams:
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            ("seed", self.seed is None or -(2**63) <= self.seed < 2**63, "must fit in 64 bits"),
         ]
         for name, ok, rule in checks:
             if not ok:

@@ -32,8 +32,7 @@ class Scheduler:
                 rejected.append(seq)
                 continue
             lengths = [s.num_tokens for s in admitted] + [n]
-            padded = len(lengths) * max(lengths)
-            if admitted and padded > self.max_prefill_tokens:
+            if admitted and sum(lengths) > self.max_prefill_tokens:
                 break
             if not self.cache.can_admit(lengths):
                 break

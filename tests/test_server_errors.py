@@ -1,0 +1,225 @@
+"""Bad requests against `tinyllm serve` (a real subprocess, API key set): each gets the right
+status in OpenAI's error shape, and the server goes on serving good requests after it."""
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_MODEL_LEN = 256
+# 12 blocks of 16: 192 tokens of KV cache, so a 200-token prompt fits the context but never the
+# cache, and the engine itself must refuse it.
+SERVE_ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--num-blocks", "12", "--block-size", "16"]
+LONG = "hello " * 300  # about 300 tokens: over the context
+NEVER_FITS = "hello " * 199  # about 200 tokens: fits the context, not the cache
+
+
+@pytest.fixture(scope="module")
+def log_path(tmp_path_factory):
+    return tmp_path_factory.mktemp("serve") / "serve.log"
+
+
+@pytest.fixture(scope="module")
+def base_url(log_path):
+    with open(log_path, "w") as log:
+        cmd = [sys.executable, "-m", "tinyllm.cli", "serve", "--port", "0", "--api-key", KEY]
+        proc = subprocess.Popen(cmd + SERVE_ARGS, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while not (m := re.search(r"running on (http://127\.0\.0\.1:\d+)", log_path.read_text())):
+            assert proc.poll() is None, f"tinyllm serve exited:\n{log_path.read_text()}"
+            assert time.monotonic() < deadline, (
+                f"tinyllm serve did not start:\n{log_path.read_text()}"
+            )
+            time.sleep(0.1)
+        yield m.group(1)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def good_request_succeeds(base_url: str) -> None:
+    r = httpx.post(
+        f"{base_url}/v1/completions", headers=AUTH, json={"prompt": "Hi", "max_tokens": 2}
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert isinstance(error["type"], str)
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+COMPLETION = "/v1/completions"
+CHAT = "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "Hi"}]
+
+# (path, JSON body or raw bytes, status, param the error names)
+BAD = {
+    "malformed JSON": (COMPLETION, b'{"prompt": "x",', 400, None),
+    "body not an object": (COMPLETION, [1, 2], 400, None),
+    "max_tokens a string": (COMPLETION, {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    "max_tokens a float": (COMPLETION, {"prompt": "x", "max_tokens": 1.5}, 400, "max_tokens"),
+    "negative max_tokens": (COMPLETION, {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    "prompt a number": (COMPLETION, {"prompt": 3}, 400, "prompt"),
+    "missing prompt": (COMPLETION, {"max_tokens": 3}, 400, "prompt"),
+    "empty prompt list": (COMPLETION, {"prompt": []}, 400, "prompt"),
+    "top_p 5": (COMPLETION, {"prompt": "x", "top_p": 5}, 400, "top_p"),
+    "temperature -1": (COMPLETION, {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    "n 0": (COMPLETION, {"prompt": "x", "n": 0}, 400, "n"),
+    "empty stop": (COMPLETION, {"prompt": "x", "stop": [""]}, 400, "stop"),
+    "logprobs 50": (COMPLETION, {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    "seed 2**70": (COMPLETION, {"prompt": "x", "seed": 2**70}, 400, "seed"),
+    "logit_bias word key": (COMPLETION, {"prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias"),
+    "logit_bias too many": (
+        COMPLETION,
+        {"prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}},
+        400,
+        "logit_bias",
+    ),
+    "logit_bias huge id": (COMPLETION, {"prompt": "x", "logit_bias": {"999999": 1}}, 400, None),
+    "token id outside vocab": (COMPLETION, {"prompt": [1, 10**9]}, 400, "prompt"),
+    "prompt too long": (COMPLETION, {"prompt": LONG}, 400, "prompt"),
+    "prompt + max_tokens too long": (
+        COMPLETION,
+        {"prompt": "x", "max_tokens": MAX_MODEL_LEN},
+        400,
+        "max_tokens",
+    ),
+    "echo with logprobs": (COMPLETION, {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    "stream_options without stream": (
+        COMPLETION,
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        400,
+        None,
+    ),
+    "lone surrogate": (COMPLETION, {"prompt": "a\ud800"}, 400, "prompt"),
+    "lone surrogate in chat": (
+        CHAT,
+        {"messages": [{"role": "user", "content": "a\ud800"}]},
+        400,
+        "messages",
+    ),
+    "too many completions": (COMPLETION, {"prompt": ["a", "b", "c"], "n": 128}, 400, "n"),
+    "unknown model": (COMPLETION, {"prompt": "x", "model": "gpt-17"}, 404, "model"),
+    "missing messages": (CHAT, {"max_tokens": 3}, 400, "messages"),
+    "empty messages": (CHAT, {"messages": []}, 400, "messages"),
+    "message without role": (CHAT, {"messages": [{"content": "Hi"}]}, 400, "messages"),
+    "image content": (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        None,
+    ),
+    "top_logprobs 21": (
+        CHAT,
+        {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21},
+        400,
+        "top_logprobs",
+    ),
+    "top_logprobs without logprobs": (CHAT, {"messages": MESSAGES, "top_logprobs": 2}, 400, None),
+    "chat prompt too long": (
+        CHAT,
+        {"messages": [{"role": "user", "content": LONG}]},
+        400,
+        "messages",
+    ),
+    "chat max_completion_tokens too long": (
+        CHAT,
+        {"messages": MESSAGES, "max_completion_tokens": 10**6},
+        400,
+        "max_completion_tokens",
+    ),
+    "tokenize neither": ("/tokenize", {}, 400, None),
+    "detokenize outside vocab": ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_request(base_url, case):
+    path, body, status, param = BAD[case]
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {**AUTH, "Content-Type": "application/json"}
+    r = httpx.post(f"{base_url}{path}", content=content, headers=headers)
+    error = assert_error(r, status, param)
+    if case == "prompt + max_tokens too long":  # names both numbers and the limit
+        assert all(str(n) in error["message"] for n in (MAX_MODEL_LEN, MAX_MODEL_LEN + 1))
+    good_request_succeeds(base_url)
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}])
+def test_api_key_required(base_url, headers):
+    r = httpx.post(f"{base_url}{COMPLETION}", json={"prompt": "x"}, headers=headers)
+    assert_error(r, 401)
+    assert_error(httpx.get(f"{base_url}/v1/models", headers=headers), 401)
+    assert_error(httpx.get(f"{base_url}/metrics", headers=headers), 401)
+    assert httpx.get(f"{base_url}/health").status_code == 200  # probes need no key
+    good_request_succeeds(base_url)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_oversized_body_is_413(base_url, chunked):
+    body = json.dumps({"prompt": "x" * (5 << 20)}).encode()
+    # A generator has no length: httpx sends it chunked, and the limit trips while reading.
+    content = iter([body[i : i + 65536] for i in range(0, len(body), 65536)]) if chunked else body
+    headers = {**AUTH, "Content-Type": "application/json"}
+    r = httpx.post(f"{base_url}{COMPLETION}", content=content, headers=headers)
+    assert_error(r, 413)
+    good_request_succeeds(base_url)
+
+
+def test_request_the_cache_can_never_hold(base_url):
+    """It fits the context but not the KV cache: the engine refuses it, the client hears why."""
+    body = {"prompt": NEVER_FITS, "max_tokens": 4}
+    r = httpx.post(f"{base_url}{COMPLETION}", json=body, headers=AUTH)
+    assert "KV cache" in assert_error(r, 400)["message"]
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0)
+    model = client.models.list().data[0].id
+    with pytest.raises(openai.APIError, match="KV cache"):
+        list(client.completions.create(model=model, stream=True, **body))
+    good_request_succeeds(base_url)
+
+
+def test_odd_but_valid_parameters(base_url):
+    body = {
+        "prompt": "Hi",
+        "max_tokens": 2,
+        "top_k": 10**30,
+        "stop": "never",
+        "user": "me",
+        "logit_bias": {"0": -100},
+        "temperature": None,
+        "some_future_field": 1,
+    }
+    r = httpx.post(f"{base_url}{COMPLETION}", json=body, headers=AUTH)
+    assert r.status_code == 200, r.text
+
+
+def test_one_log_line_per_request(base_url, log_path):
+    good_request_succeeds(base_url)
+    httpx.post(f"{base_url}{COMPLETION}", json={"prompt": "x", "top_p": 5}, headers=AUTH)
+    time.sleep(0.2)  # the subprocess writes its log on its own schedule
+    lines = log_path.read_text().splitlines()
+    assert any(
+        re.search(r"cmpl-\w+: 1 choice\(s\), \d+ prompt \+ \d+ completion", x) for x in lines
+    )
+    assert any("POST /v1/completions -> 400: top_p=5.0" in line for line in lines)

@@ -1,0 +1,151 @@
+"""The OpenAI-compatible HTTP server: `create_app(llm)` for tests and embedding, `serve(args)`
+for `tinyllm serve`."""
+
+import argparse
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+
+from tinyllm import __version__
+from tinyllm.llm import LLM
+from tinyllm.server.engine_loop import EngineLoop
+from tinyllm.server.errors import APIError, BodyLimitMiddleware, install_error_handlers
+from tinyllm.server.metrics import ServerMetrics
+from tinyllm.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from tinyllm.server.sampling import chat_prompt, encode
+from tinyllm.server.serving import OpenAIServing
+
+log = logging.getLogger("tinyllm.server")
+
+MAX_BODY_BYTES = 4 << 20
+# Reachable without the API key: a load balancer's probe should not need a secret.
+_OPEN_PATHS = {"/health", "/version"}
+
+
+def create_app(
+    llm: LLM, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES
+) -> FastAPI:
+    """An app serving `llm` (an `LLM`: its engine, tokenizer and model name). Its engine loop
+    thread runs while the app's lifespan does; nothing else may drive `llm.engine` meanwhile."""
+    engine, tokenizer = llm.engine, llm.tokenizer
+    metrics = ServerMetrics(engine.stats())
+    engine_loop = EngineLoop(engine, metrics)
+    serving = OpenAIServing(llm, engine_loop)
+    started = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine_loop.start()
+        try:
+            yield
+        finally:
+            engine_loop.stop()
+
+    async def check_api_key(request: Request) -> None:
+        if api_key is None or request.url.path in _OPEN_PATHS:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # compare_digest: how long the comparison takes says nothing about the key.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_key.encode()):
+            raise APIError(
+                401, "missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key"
+            )
+
+    app = FastAPI(
+        title="tinyllm",
+        version=__version__,
+        lifespan=lifespan,
+        dependencies=[Depends(check_api_key)],
+    )
+    app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes)
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine_loop.alive:
+            raise APIError(503, f"unhealthy: {engine_loop.error}", code="engine_dead")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        card = ModelCard(id=llm.model_name, created=started, max_model_len=engine.max_model_len)
+        return ModelList(data=[card])
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        return await serving.completions(req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await serving.chat(req, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict:
+        serving.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt")
+        if req.prompt is not None:
+            tokens = await run_in_threadpool(
+                encode, tokenizer, req.prompt, req.add_special_tokens, "prompt"
+            )
+        else:
+            prompt = await run_in_threadpool(
+                chat_prompt, tokenizer, req.messages, req.add_generation_prompt
+            )
+            tokens = prompt.token_ids
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict:
+        serving.check_model(req.model)
+        vocab = engine.model.config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside [0, {vocab})", param="tokens")
+        return {"prompt": await run_in_threadpool(tokenizer.decode, req.tokens)}
+
+    return app
+
+
+def serve(args: argparse.Namespace) -> None:
+    """`tinyllm serve`: load the model, then serve until interrupted."""
+    import uvicorn
+
+    from tinyllm.cli import build_llm
+
+    logging.getLogger("tinyllm.server").setLevel(logging.INFO)
+    app = create_app(build_llm(args), api_key=args.api_key)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+        log.warning("serving on %s without an API key: whoever reaches it can use it", args.host)
+    # Our handlers log one line per request; uvicorn's access log would be a second. On Ctrl-C,
+    # streams still open after a few seconds are cancelled (which aborts them in the engine).
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )

@@ -1,0 +1,187 @@
+"""One thread drives the engine; HTTP handlers talk to it only through queues.
+
+The engine is not thread-safe, so every add_request, abort and step happens on this thread.
+Handlers put commands on a thread-safe queue; outputs go back on each HTTP request's asyncio
+queue, handed over with `loop.call_soon_threadsafe`. If the thread dies, every waiting handler
+gets an error instead of hanging, and later requests are refused.
+"""
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from tinyllm.engine import LLMEngine
+from tinyllm.outputs import RequestOutput
+from tinyllm.sampling_params import SamplingParams
+from tinyllm.server.errors import APIError, EngineDeadError
+from tinyllm.server.metrics import ServerMetrics
+
+log = logging.getLogger("tinyllm.server")
+
+
+class RequestStream:
+    """The outputs of one HTTP request's engine requests (one per choice), on its event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue[list[RequestOutput] | APIError] = asyncio.Queue()
+
+    def put(self, item: list[RequestOutput] | APIError) -> None:
+        """Called from the engine thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    async def get(self) -> list[RequestOutput]:
+        """Every output that has arrived, waiting for at least one. Outputs are cumulative, so a
+        slow reader just skips to the latest."""
+        items = [await self._queue.get()]
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        outputs = []
+        for item in items:
+            if isinstance(item, APIError):
+                raise item
+            outputs += item
+        return outputs
+
+
+@dataclass
+class _Tracked:
+    stream: RequestStream
+    arrival: float
+    first_token: float | None = None
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
+        self.engine, self.metrics = engine, metrics
+        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._thread: threading.Thread | None = None
+        # Held while deciding to enqueue, and while the thread shuts down: no command can slip
+        # into the queue after the last drain and wait forever.
+        self._lock = threading.Lock()
+        self.error: str | None = "not started"  # why requests are refused; None while running
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None
+
+    def start(self) -> None:
+        self.error = None
+        self._thread = threading.Thread(target=self._run, name="tinyllm-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._thread is not None:
+            self._commands.put(("stop",))
+            self._thread.join(timeout)
+
+    def submit(self, requests: list[tuple[str, list[int], SamplingParams]]) -> RequestStream:
+        """Queue engine requests (request_id, prompt token ids, params); they all report to the
+        one stream returned. Call from the event loop that reads it."""
+        stream = RequestStream(asyncio.get_running_loop())
+        now = time.monotonic()
+        with self._lock:
+            if self.error is not None:
+                raise EngineDeadError(self.error)
+            for request_id, token_ids, params in requests:
+                self._commands.put(("add", request_id, token_ids, params, stream, now))
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._commands.put(("abort", request_id))
+
+    # -- the engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._handle_commands(block=not self.engine.has_unfinished()):
+                outputs = self.engine.step() if self.engine.has_unfinished() else []
+                # Metrics first: a client that got its last token sees them already counted.
+                self.metrics.record_stats(self.engine.stats())
+                self._deliver(outputs)
+        except Exception as e:
+            log.exception("the engine loop died")
+            self._shut_down(f"the engine loop died ({type(e).__name__}: {e})")
+            return
+        for request_id in self._tracked:  # leave the engine clean for whoever owns it next
+            self.engine.abort(request_id)
+        self._shut_down("the server is shutting down")
+
+    def _handle_commands(self, block: bool) -> bool:
+        """Run the queued commands, waiting for one first when the engine is idle. False: stop."""
+        commands = [self._commands.get()] if block else []
+        while not self._commands.empty():
+            commands.append(self._commands.get_nowait())
+        running = True
+        for command in commands:
+            match command:
+                case ("add", request_id, token_ids, params, stream, arrival):
+                    self._add(request_id, token_ids, params, stream, arrival)
+                case ("abort", request_id):
+                    self._abort(request_id)
+                case ("stop",):
+                    running = False
+        return running
+
+    def _add(self, request_id, token_ids, params, stream: RequestStream, arrival: float) -> None:
+        try:
+            self.engine.add_request(token_ids, params, request_id=request_id)
+        except ValueError as e:  # the handler checks first; the engine has the last word
+            stream.put(APIError(400, str(e)))
+            return
+        except Exception as e:  # one bad request must not take everyone's engine down
+            log.exception("add_request(%s) failed", request_id)
+            stream.put(APIError(500, f"could not add the request: {type(e).__name__}: {e}"))
+            return
+        self._tracked[request_id] = _Tracked(stream, arrival)
+
+    def _abort(self, request_id: str) -> None:
+        tracked = self._tracked.pop(request_id, None)
+        out = self.engine.abort(request_id)
+        if tracked is not None and out is not None:
+            self.metrics.record_finished(
+                "abort", len(out.token_ids), tracked.arrival, tracked.first_token, time.monotonic()
+            )
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        by_stream: dict[RequestStream, list[RequestOutput]] = {}
+        for out in outputs:
+            tracked = self._tracked.get(out.request_id)
+            if tracked is None:
+                continue
+            if tracked.first_token is None and out.token_ids:
+                tracked.first_token = now
+                self.metrics.ttft.observe(now - tracked.arrival)
+            if out.finished:
+                del self._tracked[out.request_id]
+                self.metrics.record_finished(
+                    out.finish_reason or "error",
+                    len(out.token_ids),
+                    tracked.arrival,
+                    tracked.first_token,
+                    now,
+                )
+            by_stream.setdefault(tracked.stream, []).append(out)
+        for stream, outs in by_stream.items():
+            stream.put(outs)
+
+    def _shut_down(self, why: str) -> None:
+        with self._lock:
+            self.error = why
+        streams = {t.stream for t in self._tracked.values()}
+        self._tracked.clear()
+        while not self._commands.empty():
+            command = self._commands.get_nowait()
+            if command[0] == "add":
+                streams.add(command[4])
+        for stream in streams:
+            stream.put(EngineDeadError(why))

@@ -1,0 +1,148 @@
+"""One HTTP request's engine requests, from submission to the last output, and its SSE stream."""
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+from pydantic import BaseModel
+
+from tinyllm.outputs import RequestOutput, TokenLogprob
+from tinyllm.server.engine_loop import EngineLoop
+from tinyllm.server.errors import APIError
+from tinyllm.server.protocol import Usage
+from tinyllm.server.sampling import Choice, Prompt
+
+log = logging.getLogger("tinyllm.server")
+
+# How often a non-streaming handler checks whether its client is still there.
+DISCONNECT_POLL_S = 0.5
+
+# (choice, new text, its tokens' logprobs, finish reason, where its generated part starts in
+# everything streamed for the choice) -> one chunk
+ChunkFn = Callable[[Choice, str, list[TokenLogprob] | None, str | None, int], BaseModel]
+
+
+class Generation:
+    """Submits every choice at once; whatever way the request ends, close() aborts what is left
+    in the engine (so a client that went away frees its KV blocks at once) and logs the line."""
+
+    def __init__(
+        self, loop: EngineLoop, request_id: str, prompts: list[Prompt], choices: list[Choice]
+    ) -> None:
+        self.request_id, self.prompts, self.choices = request_id, prompts, choices
+        self._loop = loop
+        self._by_id = {c.request_id: c for c in choices}
+        self.latest: dict[int, RequestOutput] = {}  # choice index -> its latest output
+        self._unfinished = set(self._by_id)
+        self._start = time.perf_counter()
+        self._stream = loop.submit([(c.request_id, c.prompt.token_ids, c.params) for c in choices])
+        self._closed = False
+
+    async def _next(self) -> list[tuple[Choice, RequestOutput]]:
+        # Outputs are cumulative, so only each choice's latest one matters.
+        latest = {out.request_id: out for out in await self._stream.get()}
+        batch = []
+        for request_id, out in latest.items():
+            if out.finish_reason == "error":
+                raise APIError(400, out.error or "the engine refused the request")
+            if out.finished:
+                self._unfinished.discard(request_id)
+            choice = self._by_id[request_id]
+            self.latest[choice.index] = out
+            batch.append((choice, out))
+        return batch
+
+    async def updates(self) -> AsyncIterator[list[tuple[Choice, RequestOutput]]]:
+        while self._unfinished:
+            yield await self._next()
+
+    async def finish(self, disconnected: Callable[[], Awaitable[bool]]) -> bool:
+        """Wait for every choice to finish; False if the client went away first."""
+
+        async def drain() -> None:
+            while self._unfinished:
+                await self._next()
+
+        async def watch() -> None:
+            while not await disconnected():
+                await asyncio.sleep(DISCONNECT_POLL_S)
+
+        work, watcher = asyncio.ensure_future(drain()), asyncio.ensure_future(watch())
+        try:
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            work.cancel()
+            watcher.cancel()
+        if work.done() and not work.cancelled():
+            work.result()  # raises the request's error, if it failed
+            return True
+        return False
+
+    def usage(self) -> Usage:
+        prompt = sum(len(p.token_ids) for p in self.prompts)
+        completion = sum(len(out.token_ids) for out in self.latest.values())
+        return Usage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._unfinished:
+            self._loop.abort(list(self._unfinished))
+        reasons = sorted({str(out.finish_reason) for out in self.latest.values()})
+        usage = self.usage()
+        log.info(
+            "%s: %d choice(s), %d prompt + %d completion tokens, %s in %.2fs%s",
+            self.request_id,
+            len(self.choices),
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            "/".join(reasons) or "no output",
+            time.perf_counter() - self._start,
+            f", aborted {len(self._unfinished)} unfinished" if self._unfinished else "",
+        )
+
+
+def _event(data: BaseModel | dict) -> str:
+    body = data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data)
+    return f"data: {body}\n\n"
+
+
+async def sse(
+    gen: Generation,
+    chunk: ChunkFn,
+    first: Sequence[BaseModel] = (),
+    prefixes: dict[int, str] | None = None,
+    usage_chunk: Callable[[Usage], BaseModel] | None = None,
+) -> AsyncIterator[str]:
+    """Server-sent events: `first`, then each choice's new text as it comes (a `prefixes` entry,
+    the echoed prompt, goes before a choice's first text), the usage chunk, and `[DONE]`.
+    An error after the stream started becomes an error event."""
+    prefixes = dict(prefixes or {})
+    sent = {c.index: (0, 0, 0) for c in gen.choices}  # chars of out.text, tokens, chars streamed
+    try:
+        for c in first:
+            yield _event(c)
+        async for batch in gen.updates():
+            for choice, out in batch:
+                chars, tokens, streamed = sent[choice.index]
+                prefix = prefixes.pop(choice.index, "")
+                text = prefix + out.text[chars:]
+                if not text and not out.finished:
+                    continue  # the new tokens' text is held back: they go with the next chunk
+                logprobs = out.outputs[0].logprobs
+                new = logprobs[tokens:] if logprobs is not None else None
+                reason = out.finish_reason if out.finished else None
+                sent[choice.index] = (len(out.text), len(out.token_ids), streamed + len(text))
+                yield _event(chunk(choice, text, new, reason, streamed + len(prefix)))
+        if usage_chunk is not None:
+            yield _event(usage_chunk(gen.usage()))
+    except APIError as e:
+        yield _event(e.body())
+    finally:
+        gen.close()
+    yield "data: [DONE]\n\n"

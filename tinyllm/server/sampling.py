@@ -1,0 +1,166 @@
+"""From an OpenAI request to engine requests: prompt token ids and one SamplingParams per choice.
+
+Everything that can be wrong with a request is found here and answered with a 400, before the
+engine sees it: the engine thread is shared by every client.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+from tinyllm.engine import LLMEngine
+from tinyllm.sampling_params import SamplingParams
+from tinyllm.server.errors import APIError, invalid_params
+from tinyllm.server.protocol import ChatCompletionRequest, ChatMessage, SamplingRequest, TokenIds
+from tinyllm.tokenizer import Tokenizer
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    text: str | None = None  # None when the client sent token ids
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt: Prompt
+    request_id: str
+    params: SamplingParams
+
+
+MAX_CHOICES = 256  # engine requests one HTTP request may start (prompts x n)
+
+
+def encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON can carry lone surrogates ("\ud800"); text cannot
+        raise APIError(400, f"{param}: not valid Unicode text ({e.reason})", param=param) from e
+    return tokenizer.encode(text, add_special_tokens)
+
+
+def completion_prompts(
+    tokenizer: Tokenizer, prompt: str | TokenIds | list[str] | list[TokenIds]
+) -> list[Prompt]:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, "prompt: give at least one prompt", param="prompt")
+    return [
+        Prompt(encode(tokenizer, p, True, "prompt"), p) if isinstance(p, str) else Prompt(p)
+        for p in prompt
+    ]
+
+
+def chat_prompt(
+    tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True
+) -> Prompt:
+    conversation = []
+    for i, m in enumerate(messages):
+        message = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            other = [p.type for p in m.content if p.type != "text"]
+            if other:
+                raise APIError(
+                    400,
+                    f"messages.{i}.content: only text parts are served, not {other[0]!r}",
+                    param="messages",
+                )
+            message["content"] = "".join(p.text or "" for p in m.content)
+        conversation.append(message)
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt)
+    except ValueError as e:  # no template, or the template refused the conversation
+        raise APIError(400, str(e), param="messages") from e
+    # The template writes any BOS itself, so the tokenizer must not add another.
+    return Prompt(encode(tokenizer, text, False, "messages"), text)
+
+
+def plan_choices(
+    engine: LLMEngine,
+    request_id: str,
+    req: SamplingRequest,
+    prompts: list[Prompt],
+    max_tokens: int | None,
+    default_max_tokens: int | None,
+    logprobs: int | None,
+    max_tokens_param: str = "max_tokens",
+) -> list[Choice]:
+    """n choices per prompt, numbered prompt by prompt. `default_max_tokens` None: fill the
+    context; an explicit `max_tokens` that does not fit it is an error, a default is cut to fit."""
+    vocab = engine.model.config.vocab_size
+    base = _params(req, 1 if max_tokens is None else max_tokens, logprobs, vocab)
+    limit, n = engine.max_model_len, req.n or 1
+    if len(prompts) * n > MAX_CHOICES:
+        raise APIError(
+            400, f"{len(prompts)} prompts x n={n} is over {MAX_CHOICES} completions", param="n"
+        )
+    choices = []
+    for prompt in prompts:
+        try:
+            engine.validate_prompt(prompt.token_ids, base)
+        except ValueError as e:
+            code = "context_length_exceeded" if len(prompt.token_ids) >= limit else None
+            param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+            raise APIError(400, str(e), param=param, code=code) from e
+        size = len(prompt.token_ids)
+        room = limit - size
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{size + max_tokens} tokens ({size} in the prompt, {max_tokens} for the "
+                f"completion). Reduce the prompt or {max_tokens_param}.",
+                param=max_tokens_param,
+                code="context_length_exceeded",
+            )
+        budget = max_tokens if max_tokens is not None else min(default_max_tokens or room, room)
+        for i in range(n):
+            # With a seed, each choice gets its own, so n > 1 does not give n copies.
+            seed = None if req.seed is None else req.seed + i
+            index = len(choices)
+            params = dataclasses.replace(base, max_tokens=budget, seed=seed)
+            choices.append(Choice(index, prompt, f"{request_id}-{index}", params))
+    return choices
+
+
+def _params(
+    req: SamplingRequest, max_tokens: int, logprobs: int | None, vocab: int
+) -> SamplingParams:
+    def pick(value, default):
+        return default if value is None else value
+
+    top_k = pick(req.top_k, 0)
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=pick(req.temperature, 1.0),
+            # Past the vocabulary top_k cuts nothing, and a huge one would overflow in torch.
+            top_k=0 if top_k >= vocab else top_k,
+            top_p=pick(req.top_p, 1.0),
+            min_p=pick(req.min_p, 0.0),
+            seed=req.seed,
+            stop=pick(req.stop, []),
+            stop_token_ids=pick(req.stop_token_ids, []),
+            ignore_eos=pick(req.ignore_eos, False),
+            repetition_penalty=pick(req.repetition_penalty, 1.0),
+            presence_penalty=pick(req.presence_penalty, 0.0),
+            frequency_penalty=pick(req.frequency_penalty, 0.0),
+            logprobs=logprobs,
+            logit_bias=_logit_bias(req.logit_bias or {}, vocab),
+        )
+    except ValueError as e:
+        raise invalid_params(e) from e
+
+
+def _logit_bias(bias: dict[str, float], vocab: int) -> dict[int, float]:
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and int(key) < vocab):
+            raise APIError(
+                400, f"logit_bias: {key!r} is not a token id in [0, {vocab})", param="logit_bias"
+            )
+        if not -100 <= value <= 100:
+            raise APIError(400, f"logit_bias[{key}]={value} must be in [-100, 100]", "logit_bias")
+        out[int(key)] = value
+    return out

@@ -1,0 +1,218 @@
+"""/v1/completions and /v1/chat/completions: requests in, OpenAI-shaped responses out."""
+
+import itertools
+import logging
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from tinyllm.llm import LLM
+from tinyllm.outputs import TokenLogprob
+from tinyllm.server.engine_loop import EngineLoop
+from tinyllm.server.errors import APIError
+from tinyllm.server.generation import Generation, sse
+from tinyllm.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprob,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    Delta,
+    SamplingRequest,
+    TopLogprob,
+)
+from tinyllm.server.sampling import Choice, Prompt, chat_prompt, completion_prompts, plan_choices
+
+log = logging.getLogger("tinyllm.server")
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat fills the context
+
+
+class OpenAIServing:
+    def __init__(self, llm: LLM, engine_loop: EngineLoop) -> None:
+        self.engine, self.tokenizer, self.model_name = llm.engine, llm.tokenizer, llm.model_name
+        self.loop = engine_loop
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _common_checks(self, req: SamplingRequest) -> bool:
+        """Common checks; returns whether the stream ends with a usage chunk."""
+        self.check_model(req.model)
+        if req.model_extra:
+            log.warning("ignoring unsupported request fields: %s", ", ".join(req.model_extra))
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options needs stream: true", param="stream_options")
+        return bool(req.stream and req.stream_options and req.stream_options.include_usage)
+
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        include_usage = self._common_checks(req)
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not served (no prompt logprobs)", "echo")
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        prompts = await run_in_threadpool(completion_prompts, self.tokenizer, req.prompt)
+        choices = plan_choices(
+            self.engine,
+            request_id,
+            req,
+            prompts,
+            req.max_tokens,
+            COMPLETION_MAX_TOKENS,
+            req.logprobs,
+        )
+        created = int(time.time())
+        echo = {c.index: self._prompt_text(c.prompt) for c in choices} if req.echo else {}
+
+        def response(choices: list[CompletionChoice], usage=None) -> CompletionResponse:
+            return CompletionResponse(
+                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+            )
+
+        def choice(c: Choice, text: str, lps: list[TokenLogprob] | None, reason, start: int):
+            logprobs = self._completion_logprobs(lps, start) if lps is not None else None
+            return CompletionChoice(
+                index=c.index, text=text, logprobs=logprobs, finish_reason=reason
+            )
+
+        gen = Generation(self.loop, request_id, prompts, choices)
+        if req.stream:
+            return StreamingResponse(
+                sse(
+                    gen,
+                    lambda *a: response([choice(*a)]),
+                    prefixes=echo,
+                    usage_chunk=(lambda u: response([], u)) if include_usage else None,
+                ),
+                media_type="text/event-stream",
+            )
+        try:
+            if not await gen.finish(raw.is_disconnected):
+                return Response(status_code=499)  # nobody is listening
+        finally:
+            gen.close()
+        done = []
+        for c in choices:
+            out, prefix = gen.latest[c.index], echo.get(c.index, "")
+            lps = out.outputs[0].logprobs
+            done.append(choice(c, prefix + out.text, lps, out.finish_reason, len(prefix)))
+        return response(done, gen.usage())
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        include_usage = self._common_checks(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
+        if max_tokens is None:
+            max_tokens, param = req.max_tokens, "max_tokens"
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        prompt = await run_in_threadpool(chat_prompt, self.tokenizer, req.messages)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        choices = plan_choices(
+            self.engine, request_id, req, [prompt], max_tokens, None, logprobs, param
+        )
+        created = int(time.time())
+
+        def chunk(choices: list[ChatChunkChoice], usage=None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(
+                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+            )
+
+        def delta(c: Choice, text: str, lps: list[TokenLogprob] | None, reason, _start: int):
+            logprobs = self._chat_logprobs(lps) if lps is not None else None
+            return chunk(
+                [
+                    ChatChunkChoice(
+                        index=c.index,
+                        delta=Delta(content=text or None),
+                        logprobs=logprobs,
+                        finish_reason=reason,
+                    )
+                ]
+            )
+
+        gen = Generation(self.loop, request_id, [prompt], choices)
+        if req.stream:
+            # OpenAI's first chunk of each choice names the role, with empty content.
+            roles = [
+                chunk([ChatChunkChoice(index=c.index, delta=Delta(role="assistant", content=""))])
+                for c in choices
+            ]
+            usage_chunk = (lambda u: chunk([], u)) if include_usage else None
+            return StreamingResponse(
+                sse(gen, delta, first=roles, usage_chunk=usage_chunk),
+                media_type="text/event-stream",
+            )
+        try:
+            if not await gen.finish(raw.is_disconnected):
+                return Response(status_code=499)
+        finally:
+            gen.close()
+        done = []
+        for c in choices:
+            out = gen.latest[c.index]
+            lps = out.outputs[0].logprobs
+            done.append(
+                ChatChoice(
+                    index=c.index,
+                    message=AssistantMessage(content=out.text),
+                    logprobs=self._chat_logprobs(lps) if lps is not None else None,
+                    finish_reason=out.finish_reason,
+                )
+            )
+        return ChatCompletionResponse(
+            id=request_id,
+            created=created,
+            model=self.model_name,
+            choices=done,
+            usage=gen.usage(),
+        )
+
+    # -- shapes ---------------------------------------------------------------------------------
+
+    def _prompt_text(self, prompt: Prompt) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        return self.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _completion_logprobs(self, lps: list[TokenLogprob], start: int) -> CompletionLogprobs:
+        tokens = [self._token(lp.token_id) for lp in lps]
+        return CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=[lp.logprob for lp in lps],
+            top_logprobs=[{self._token(t): v for t, v in lp.top} for lp in lps],
+            text_offset=list(itertools.accumulate(map(len, tokens), initial=start))[:-1],
+        )
+
+    def _chat_logprobs(self, lps: list[TokenLogprob]) -> ChatLogprobs:
+        def top(token_id: int, logprob: float) -> TopLogprob:
+            text = self._token(token_id)
+            return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+        return ChatLogprobs(
+            content=[
+                ChatLogprob(
+                    **top(lp.token_id, lp.logprob).model_dump(),
+                    top_logprobs=[top(t, v) for t, v in lp.top],
+                )
+                for lp in lps
+            ]
+        )
