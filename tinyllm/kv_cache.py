@@ -165,7 +165,59 @@ class _PackedLayerKV(LayerKV):
         return out
 
 
-class SlotKVCache:
+class DecodeSlots:
+    """What the slot and paged caches share: n_slots sequence slots decoded one token each.
+
+    CPU bookkeeping (`lens`, `active`) drives scheduling without device syncs; each decode step
+    mirrors the active rows' lengths to the device for positions and the length mask.
+    """
+
+    def __init__(self, n_slots: int, max_len: int):
+        self.n_slots, self.max_len = n_slots, max_len
+        self.lens = [0] * n_slots  # tokens stored
+        self.active = [False] * n_slots
+        self.attn_kwargs: dict = {}
+        self._lens_dev: Tensor | None = None
+        self.k: list[Tensor] = []
+        self.v: list[Tensor] = []
+
+    def free_slots(self) -> list[int]:
+        return [s for s in range(self.n_slots) if not self.active[s]]
+
+    def active_slots(self) -> list[int]:
+        return [s for s in range(self.n_slots) if self.active[s]]
+
+    def used_tokens(self) -> int:
+        return sum(n for n, a in zip(self.lens, self.active, strict=True) if a)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def _decode_rows(self, T: int) -> tuple[list[int], list[int]]:
+        """The active slots and their lengths for a one-token decode step."""
+        if T != 1:
+            name = type(self).__name__
+            raise ValueError(f"{name} decodes one token per slot; prefill goes through KVCache")
+        rows = self.active_slots()
+        lens = [self.lens[s] for s in rows]
+        if max(lens) >= self.max_len:
+            raise ValueError(f"a sequence is full (max_len {self.max_len})")
+        return rows, lens
+
+    def _decode_positions(self, lens: list[int], n_keys: int, rope) -> tuple[Tensor, Tensor]:
+        """Mask keys past each row's length; the new token sits at position len."""
+        dev = self.k[0].device
+        self._lens_dev = torch.tensor(lens, device=dev)
+        k_pos = torch.arange(n_keys, device=dev)
+        self.attn_kwargs = {"attn_mask": (k_pos <= self._lens_dev[:, None])[:, None, None, :]}
+        return rope.at(self._lens_dev[:, None])
+
+    def end_step(self, T: int) -> None:
+        for s in self.active_slots():
+            self.lens[s] += 1
+
+
+class SlotKVCache(DecodeSlots):
     """S slots, each reserving max_len tokens up front: simple, and wasteful by design.
 
     Same scheduling calls as PagedKVCache (free_slots / can_admit / admit / release /
@@ -182,23 +234,13 @@ class SlotKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ):
+        super().__init__(n_slots, max_len)
         shape = (n_slots, n_kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.n_slots, self.max_len = n_slots, max_len
-        self.lens = [0] * n_slots
-        self.active = [False] * n_slots
-        self.attn_kwargs: dict = {}
         self._rows: Tensor | slice = slice(0, 0)
-        self._lens_dev = torch.zeros(0, dtype=torch.long, device=device)
 
     # -- scheduling --------------------------------------------------------
-
-    def free_slots(self) -> list[int]:
-        return [s for s in range(self.n_slots) if not self.active[s]]
-
-    def active_slots(self) -> list[int]:
-        return [s for s in range(self.n_slots) if self.active[s]]
 
     def fits_ever(self, length: int) -> bool:
         return length < self.max_len
@@ -226,41 +268,23 @@ class SlotKVCache:
         """Every slot already owns max_len tokens, so a step never needs to preempt."""
         return []
 
-    def used_tokens(self) -> int:
-        return sum(n for n, a in zip(self.lens, self.active, strict=True) if a)
-
     def allocated_tokens(self) -> int:
         return sum(self.active) * self.max_len
 
     def reserved_tokens(self) -> int:
         return self.n_slots * self.max_len
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
     # -- model protocol (decode: one token per active slot) -----------------
 
     def begin_step(self, T: int, rope) -> tuple[Tensor, Tensor]:
-        if T != 1:
-            raise ValueError("SlotKVCache decodes one token per slot; prefill goes through KVCache")
-        rows = self.active_slots()
-        lens = [self.lens[s] for s in rows]
-        if max(lens) >= self.max_len:
-            raise ValueError(f"a sequence is full (max_len {self.max_len})")
-        dev = self.k[0].device
+        rows, lens = self._decode_rows(T)
         # Slots are handed out lowest first, so the active ones are usually a prefix: a slice
         # reads them without copying.
         contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+        dev = self.k[0].device
         self._rows = slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows, device=dev)
-        self._lens_dev = torch.tensor(lens, device=dev)
         self._n_read = max(lens) + 1
-        k_pos = torch.arange(self._n_read, device=dev)
-        self.attn_kwargs = {"attn_mask": (k_pos <= self._lens_dev[:, None])[:, None, None, :]}
-        return rope.at(self._lens_dev[:, None])
-
-    def end_step(self, T: int) -> None:
-        for s in self.active_slots():
-            self.lens[s] += 1
+        return self._decode_positions(lens, self._n_read, rope)
 
     def layer(self, i: int) -> "_SlotLayerKV":
         return _SlotLayerKV(self, i)

@@ -22,7 +22,7 @@ import math
 import torch
 from torch import Tensor
 
-from tinyllm.kv_cache import LayerKV
+from tinyllm.kv_cache import DecodeSlots, LayerKV
 
 
 class OutOfBlocks(RuntimeError):
@@ -62,7 +62,7 @@ class BlockAllocator:
             self._free.append(b)
 
 
-class PagedKVCache:
+class PagedKVCache(DecodeSlots):
     """n_slots sequence slots over a shared pool of n_blocks KV blocks."""
 
     def __init__(
@@ -77,8 +77,9 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ):
+        super().__init__(n_slots, max_len)
         self.alloc = BlockAllocator(n_blocks, block_size)
-        self.bs, self.n_slots, self.max_len = block_size, n_slots, max_len
+        self.bs = block_size
         self.max_blocks = math.ceil(max_len / block_size)
         self.scratch = n_blocks  # extra block, never allocated: unused table entries point here
         # Token-major blocks (block, slot, head, dim): one token's keys are contiguous, so a
@@ -88,23 +89,14 @@ class PagedKVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         # CPU bookkeeping (scheduling, no device syncs) and its device mirror (indexing, masks).
         self.tables: list[list[int]] = [[] for _ in range(n_slots)]
-        self.lens = [0] * n_slots  # tokens stored
-        self.active = [False] * n_slots
         self._admit_no = [0] * n_slots  # admission order, for picking preemption victims
         self._admits = 0
         self._table_dev = torch.full(
             (n_slots, self.max_blocks), self.scratch, dtype=torch.long, device=device
         )
-        self.attn_kwargs: dict = {}
-        self._rows = self._lens_dev = self._write_at = self._table_step = None
+        self._write_at = self._table_step = None
 
     # -- scheduling --------------------------------------------------------
-
-    def free_slots(self) -> list[int]:
-        return [s for s in range(self.n_slots) if not self.active[s]]
-
-    def active_slots(self) -> list[int]:
-        return [s for s in range(self.n_slots) if self.active[s]]
 
     def _blocks_for(self, n_tokens: int) -> int:
         return math.ceil(n_tokens / self.bs)
@@ -166,9 +158,6 @@ class PagedKVCache:
             victims.append(v)
         return victims
 
-    def used_tokens(self) -> int:
-        return sum(n for n, a in zip(self.lens, self.active, strict=True) if a)
-
     def allocated_tokens(self) -> int:
         return self.alloc.num_used * self.bs
 
@@ -176,20 +165,10 @@ class PagedKVCache:
         """Pool capacity: the KV memory this cache holds."""
         return self.alloc.n_blocks * self.bs
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
     # -- model protocol (decode: one token per active slot) -----------------
 
     def begin_step(self, T: int, rope) -> tuple[Tensor, Tensor]:
-        if T != 1:
-            raise ValueError(
-                "PagedKVCache decodes one token per slot; prefill goes through KVCache"
-            )
-        rows = self.active_slots()
-        lens = [self.lens[s] for s in rows]
-        if max(lens) >= self.max_len:
-            raise ValueError(f"a sequence is full (max_len {self.max_len})")
+        rows, lens = self._decode_rows(T)
         dev = self._table_dev.device
         grow = [s for s in rows if self._needs_block(s)]
         for s in grow:
@@ -200,20 +179,12 @@ class PagedKVCache:
             self._table_dev[torch.tensor(grow, device=dev), torch.tensor(cols, device=dev)] = (
                 torch.tensor(new, device=dev)
             )
-        self._rows = torch.tensor(rows, device=dev)
-        self._lens_dev = torch.tensor(lens, device=dev)
         n_read = self._blocks_for(max(lens) + 1)
-        self._table_step = self._table_dev[self._rows, :n_read]  # (R, n_read)
-        r = torch.arange(len(rows), device=dev)
-        blk = self._table_step[r, self._lens_dev // self.bs]
-        self._write_at = blk * self.bs + self._lens_dev % self.bs  # flat token index in the pool
-        k_pos = torch.arange(n_read * self.bs, device=dev)
-        self.attn_kwargs = {"attn_mask": (k_pos <= self._lens_dev[:, None])[:, None, None, :]}
-        return rope.at(self._lens_dev[:, None])
-
-    def end_step(self, T: int) -> None:
-        for s in self.active_slots():
-            self.lens[s] += 1
+        cos_sin = self._decode_positions(lens, n_read * self.bs, rope)
+        self._table_step = self._table_dev[torch.tensor(rows, device=dev), :n_read]  # (R, n_read)
+        at = self._table_step[torch.arange(len(rows), device=dev), self._lens_dev // self.bs]
+        self._write_at = at * self.bs + self._lens_dev % self.bs  # flat token index in the pool
+        return cos_sin
 
     def layer(self, i: int) -> "PagedLayerKV":
         return PagedLayerKV(self, i)
