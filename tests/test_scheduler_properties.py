@@ -76,7 +76,7 @@ def test_random_workload_accounts_for_everything(
             num_blocks=num_blocks,
             block_size=block_size,
             max_num_seqs=max_num_seqs,
-            kv_cache_memory=MAX_LEN * 2 * 16 * max_num_seqs,
+            kv_cache_memory=MAX_LEN * 64 * max_num_seqs,
             seed=1,
         ),
     )
@@ -120,3 +120,12 @@ def test_random_workload_accounts_for_everything(
             assert out.token_ids[-1] == 1 and not ignore_eos
         else:
             assert out.finish_reason == "abort"
+
+
+@pytest.mark.parametrize(
+    ("kv_cache", "what"), [("slot", "one slot of 48 tokens"), ("paged", "one block")]
+)
+def test_a_budget_too_small_for_one_sequence_is_refused(tiny, kv_cache, what):
+    model, tok = tiny
+    with pytest.raises(ValueError, match=f"kv_cache_memory=100 bytes cannot hold {what}"):
+        LLMEngine(model, tok, EngineConfig(kv_cache=kv_cache, kv_cache_memory=100, block_size=4))

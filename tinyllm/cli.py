@@ -159,6 +159,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="throughput/latency benchmarks against a baseline")
     b.add_argument("workload", nargs="?", default="offline-small")
+    b.add_argument(
+        "--baseline",
+        default="transformers",
+        choices=["transformers", "none"],
+        help="measured in the same run: HF transformers, fp32, static batches of 16",
+    )
+    b.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    b.add_argument(
+        "--num-requests", type=int, default=None, help="run only the workload's first N requests"
+    )
     add_engine_args(b)
     b.set_defaults(func=cmd_bench)
     return parser

@@ -70,11 +70,18 @@ def _build_cache(model: Transformer, cfg: EngineConfig, max_len: int):
         dtype=w.dtype,
         device=w.device,
     )
+    unit = per_token * (max_len if cfg.kv_cache == "slot" else cfg.block_size)
+    if cfg.kv_cache_memory < unit and not (cfg.kv_cache == "paged" and cfg.num_blocks):
+        what = f"one slot of {max_len} tokens" if cfg.kv_cache == "slot" else "one block"
+        raise ValueError(
+            f"kv_cache_memory={cfg.kv_cache_memory} bytes cannot hold {what} ({unit} bytes); "
+            "raise kv_cache_memory or lower max_model_len"
+        )
     if cfg.kv_cache == "slot":
-        n_slots = max(1, min(cfg.max_num_seqs, cfg.kv_cache_memory // (per_token * max_len)))
+        n_slots = min(cfg.max_num_seqs, cfg.kv_cache_memory // unit)
         log.info("slot KV cache: %d slots x %d tokens", n_slots, max_len)
         return SlotKVCache(n_slots=n_slots, max_len=max_len, **shape)
-    n_blocks = cfg.num_blocks or max(1, cfg.kv_cache_memory // (per_token * cfg.block_size))
+    n_blocks = cfg.num_blocks or cfg.kv_cache_memory // unit
     log.info(
         "paged KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB)",
         n_blocks,

@@ -292,12 +292,14 @@ class SlotKVCache(DecodeSlots):
 
 class _SlotLayerKV(LayerKV):
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        c, i = self.cache, self.i
-        kc, vc = c.k[i][c._rows], c.v[i][c._rows]  # a view when _rows is a slice
-        r = torch.arange(k.shape[0], device=k.device)
-        kc[r, :, c._lens_dev] = k[:, :, 0]
-        vc[r, :, c._lens_dev] = v[:, :, 0]
-        if isinstance(c._rows, Tensor):  # kc/vc were copies: write the new token back
-            c.k[i][c._rows, :, c._lens_dev] = k[:, :, 0]
-            c.v[i][c._rows, :, c._lens_dev] = v[:, :, 0]
-        return kc[:, :, : c._n_read], vc[:, :, : c._n_read]
+        c, i, n = self.cache, self.i, self.cache._n_read
+        out = []
+        for pool, new in ((c.k[i], k), (c.v[i], v)):
+            if isinstance(c._rows, slice):  # a view: write through it, read without a copy
+                rows = pool[c._rows]
+                rows[torch.arange(new.shape[0], device=new.device), :, c._lens_dev] = new[:, :, 0]
+                out.append(rows[:, :, :n])
+            else:  # scattered slots: write in place, copy only the columns attention reads
+                pool[c._rows, :, c._lens_dev] = new[:, :, 0]
+                out.append(pool[c._rows, :, :n])
+        return out[0], out[1]

@@ -95,6 +95,7 @@ class PagedKVCache(DecodeSlots):
             (n_slots, self.max_blocks), self.scratch, dtype=torch.long, device=device
         )
         self._write_at = self._table_step = None
+        self._gather: list[Tensor | None] = [None, None]
 
     # -- scheduling --------------------------------------------------------
 
@@ -186,6 +187,18 @@ class PagedKVCache(DecodeSlots):
         self._write_at = at * self.bs + self._lens_dev % self.bs  # flat token index in the pool
         return cos_sin
 
+    def gather_buffer(self, which: int, n_blocks: int) -> Tensor:
+        """Reused storage for one step's gathered K (0) or V (1) blocks. Each layer's copy is
+        read by its attention before the next layer's overwrites it; a fresh tensor per layer
+        costs a page fault per touched page (measured: 1.5 s vs 0.65 s per step at 64 x 512)."""
+        buf = self._gather[which]
+        if buf is None or buf.shape[0] < n_blocks:
+            shape = (max(n_blocks, 2 * (0 if buf is None else buf.shape[0])), *self.k[0].shape[1:])
+            buf = self._gather[which] = torch.empty(
+                shape, dtype=self.k[0].dtype, device=self.k[0].device
+            )
+        return buf[:n_blocks]
+
     def layer(self, i: int) -> "PagedLayerKV":
         return PagedLayerKV(self, i)
 
@@ -197,10 +210,12 @@ class PagedLayerKV(LayerKV):
         table = c._table_step.reshape(-1)
         R = c._table_step.shape[0]
 
-        def write_and_gather(pool: Tensor, new: Tensor) -> Tensor:
+        def write_and_gather(pool: Tensor, new: Tensor, which: int) -> Tensor:
             _, bs, H, D = pool.shape
             pool.view(-1, H, D).index_copy_(0, c._write_at, new[:, :, 0])
             # index_select, not pool[table]: 2-D advanced indexing is ~1000x slower on CPU.
-            return pool.index_select(0, table).view(R, -1, H, D).transpose(1, 2)
+            out = c.gather_buffer(which, table.numel())
+            torch.index_select(pool, 0, table, out=out)
+            return out.view(R, -1, H, D).transpose(1, 2)
 
-        return write_and_gather(c.k[self.i], k), write_and_gather(c.v[self.i], v)
+        return write_and_gather(c.k[self.i], k, 0), write_and_gather(c.v[self.i], v, 1)

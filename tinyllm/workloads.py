@@ -1,0 +1,57 @@
+"""The named benchmark workloads (the table in the engineering notes), as token-id requests.
+
+Prompts are random token ids in [100, vocab - 100), so no tokenizer is involved and the low and
+high ids (special tokens in most vocabularies) never appear. Every run of the same workload and
+seed produces the same requests, so numbers from different engines are comparable.
+"""
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Workload:
+    num_requests: int
+    prompt_len: tuple[int, int]  # inclusive range of each request's own prompt tokens
+    output_len: tuple[int, int]  # inclusive range of generated tokens (EOS ignored)
+    shared_prefix: int = 0  # tokens every prompt starts with
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+WORKLOADS = {
+    "offline": Workload(64, (32, 512), (16, 256)),
+    "offline-small": Workload(16, (32, 256), (16, 128)),
+    "shared-prefix": Workload(64, (16, 64), (16, 64), shared_prefix=512),
+    "single": Workload(1, (128, 128), (256, 256)),
+}
+
+
+def check_workload(name: str, num_requests: int | None = None) -> None:
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}: choose one of {', '.join(WORKLOADS)}")
+    if num_requests is not None and num_requests < 1:
+        raise ValueError(f"--num-requests={num_requests} must be >= 1")
+
+
+def make_requests(
+    name: str, vocab_size: int, seed: int = 0, num_requests: int | None = None
+) -> list[Request]:
+    """The workload's requests; `num_requests` keeps the first n of them (a scaled-down run)."""
+    check_workload(name, num_requests)
+    w = WORKLOADS[name]
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(100, vocab_size - 100) for _ in range(n)]
+
+    prefix = tokens(w.shared_prefix)
+    requests = []
+    for _ in range(w.num_requests):
+        n_prompt, n_out = rng.randint(*w.prompt_len), rng.randint(*w.output_len)
+        requests.append(Request(prefix + tokens(n_prompt), n_out))
+    return requests[:num_requests]
