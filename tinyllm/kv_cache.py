@@ -32,11 +32,6 @@ class LayerKV:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **self.attn_kwargs)
 
 
-def _token_major(pool: Tensor) -> Tensor:
-    """(B, H, L, D) -> (B*L, H, D): row-major token order, for copying spans into another cache."""
-    return pool.transpose(1, 2).reshape(-1, pool.shape[1], pool.shape[3])
-
-
 class KVCache:
     """A batch of left-padded prompts, prefilled (and optionally decoded) together.
 
@@ -85,11 +80,14 @@ class KVCache:
         self.pos += T
 
     def spans(self) -> list[tuple[int, int]]:
-        """Each row's real tokens as (start, length) in `_token_major` order."""
+        """Each row's real tokens as (start, length) in `token_major` order."""
         return [(j * self.max_len + p, self.pos - p) for j, p in enumerate(self.pad.tolist())]
 
     def token_major(self, i: int) -> tuple[Tensor, Tensor]:
-        return _token_major(self.k[i]), _token_major(self.v[i])
+        """Layer i's K and V as (B*max_len, H, D), rows one after another, for admit()."""
+        return tuple(
+            t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]) for t in (self.k[i], self.v[i])
+        )
 
 
 class _ContiguousLayerKV(LayerKV):
@@ -121,7 +119,8 @@ class PackedKVCache:
         self.starts = [0]
         for n in lengths[:-1]:
             self.starts.append(self.starts[-1] + n)
-        shape = (1, n_kv_heads, N, head_dim)
+        # Stored token-major (N, H, D), the layout admit() copies from: no second transpose.
+        shape = (N, n_kv_heads, head_dim)
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
@@ -145,14 +144,14 @@ class PackedKVCache:
         return [s + n - 1 for s, n in self.spans()]
 
     def token_major(self, i: int) -> tuple[Tensor, Tensor]:
-        return _token_major(self.k[i]), _token_major(self.v[i])
+        return self.k[i], self.v[i]
 
 
 class _PackedLayerKV(LayerKV):
     def attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         c = self.cache
-        c.k[self.i].copy_(k)
-        c.v[self.i].copy_(v)
+        c.k[self.i].copy_(k[0].transpose(0, 1))
+        c.v[self.i].copy_(v[0].transpose(0, 1))
         out = torch.empty_like(q)
         for s, n in c.spans():
             out[:, :, s : s + n] = F.scaled_dot_product_attention(
@@ -239,6 +238,7 @@ class SlotKVCache(DecodeSlots):
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self._rows: Tensor | slice = slice(0, 0)
+        self._row_idx: Tensor | None = None
 
     # -- scheduling --------------------------------------------------------
 
@@ -284,6 +284,7 @@ class SlotKVCache(DecodeSlots):
         dev = self.k[0].device
         self._rows = slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows, device=dev)
         self._n_read = max(lens) + 1
+        self._row_idx = torch.arange(len(rows), device=dev)
         return self._decode_positions(lens, self._n_read, rope)
 
     def layer(self, i: int) -> "_SlotLayerKV":
@@ -297,7 +298,7 @@ class _SlotLayerKV(LayerKV):
         for pool, new in ((c.k[i], k), (c.v[i], v)):
             if isinstance(c._rows, slice):  # a view: write through it, read without a copy
                 rows = pool[c._rows]
-                rows[torch.arange(new.shape[0], device=new.device), :, c._lens_dev] = new[:, :, 0]
+                rows[c._row_idx, :, c._lens_dev] = new[:, :, 0]
                 out.append(rows[:, :, :n])
             else:  # scattered slots: write in place, copy only the columns attention reads
                 pool[c._rows, :, c._lens_dev] = new[:, :, 0]
