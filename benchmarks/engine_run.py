@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from tinyllm import SamplingParams
-from tinyllm.engine import EngineStats, LLMEngine
-from tinyllm.workloads import Request
+from tinyllm.engine.engine import EngineStats, LLMEngine
+from tinyllm.entrypoints.workloads import Request
 
 
 @dataclass

@@ -30,11 +30,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.profiler import profile
 
-from tinyllm.bench import best_seconds, copy_bandwidth
-from tinyllm.config import ModelConfig
-from tinyllm.kv_cache import PackedKVCache, SlotKVCache
-from tinyllm.model import DecoderLayer, Rope
-from tinyllm.paged_kv_cache import PagedKVCache
+from tinyllm.engine.kv_cache import PackedKVCache, SlotKVCache
+from tinyllm.engine.paged_kv_cache import PagedKVCache
+from tinyllm.entrypoints.bench import best_seconds, copy_bandwidth
+from tinyllm.model.config import ModelConfig
+from tinyllm.model.llama import DecoderLayer, Rope
 
 SMOLLM2 = ModelConfig(
     architecture="llama",

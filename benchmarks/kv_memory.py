@@ -19,8 +19,8 @@ import statistics
 from engine_run import Trace, drive
 
 from tinyllm import LLM
-from tinyllm.engine import EngineConfig, LLMEngine
-from tinyllm.workloads import WORKLOADS, make_requests
+from tinyllm.engine.engine import EngineConfig, LLMEngine
+from tinyllm.entrypoints.workloads import WORKLOADS, make_requests
 
 
 def row(name: str, capacity: str, t: Trace, same: str) -> str:

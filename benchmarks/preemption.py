@@ -17,8 +17,8 @@ import statistics
 from engine_run import drive
 
 from tinyllm import LLM
-from tinyllm.engine import EngineConfig, LLMEngine
-from tinyllm.workloads import WORKLOADS, make_requests
+from tinyllm.engine.engine import EngineConfig, LLMEngine
+from tinyllm.entrypoints.workloads import WORKLOADS, make_requests
 
 
 def main() -> None:

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from tinyllm.model_source import default_model_path
+from tinyllm.loaders.source import default_model_path
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ and the comparison stops (after a flip the continuations legitimately diverge). 
 fails: this never loosens to "most tokens match".
 """
 
-from tinyllm.outputs import TokenLogprob
+from tinyllm.engine.outputs import TokenLogprob
 
 NEAR_TIE = 0.05  # nats between the two candidates' logprobs; a real bug is far larger
 

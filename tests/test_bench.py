@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tinyllm.workloads import WORKLOADS, make_requests
+from tinyllm.entrypoints.workloads import WORKLOADS, make_requests
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
@@ -26,7 +26,15 @@ def test_workloads_are_reproducible_and_in_range(name):
 @pytest.mark.slow
 def test_bench_prints_both_engines_and_the_ratio():
     r = subprocess.run(
-        [sys.executable, "-m", "tinyllm.cli", "bench", "offline-small", "--num-requests", "2"],
+        [
+            sys.executable,
+            "-m",
+            "tinyllm.entrypoints.cli",
+            "bench",
+            "offline-small",
+            "--num-requests",
+            "2",
+        ],
         capture_output=True,
         text=True,
         timeout=900,

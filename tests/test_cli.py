@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 
 def _tinyllm(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "tinyllm.cli", *args],
+        [sys.executable, "-m", "tinyllm.entrypoints.cli", *args],
         capture_output=True,
         text=True,
         timeout=600,
@@ -29,7 +29,7 @@ def test_generate_answers_and_summarises():
 
 def test_chat_keeps_the_conversation(default_llm, monkeypatch, capsys):
     """The REPL sends the whole conversation, earlier answers included, on every turn."""
-    from tinyllm import cli
+    from tinyllm.entrypoints import cli
 
     seen = []
     render = default_llm.tokenizer.apply_chat_template

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from tests.greedy import assert_greedy_close, top_dicts
-from tinyllm.engine import EngineConfig, LLMEngine
-from tinyllm.sampling_params import SamplingParams
+from tinyllm.engine.engine import EngineConfig, LLMEngine
+from tinyllm.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

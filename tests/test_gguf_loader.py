@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from tinyllm.config import ModelLoadError, UnsupportedModelError
-from tinyllm.gguf_loader import gguf_config, gguf_weights, load_gguf, open_gguf
+from tinyllm.loaders.gguf import gguf_config, gguf_weights, load_gguf, open_gguf
+from tinyllm.model.config import ModelLoadError, UnsupportedModelError
 
 Q = gguf.GGMLQuantizationType
 LAYERS, HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 2, 64, 4, 2, 256, 128

@@ -14,16 +14,16 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
-from tinyllm.config import ModelLoadError, UnsupportedModelError
-from tinyllm.hf_loader import hf_config, hf_weights
-from tinyllm.kv_cache import KVCache
-from tinyllm.model import Transformer
-from tinyllm.model_source import (
+from tinyllm.engine.kv_cache import KVCache
+from tinyllm.loaders.hf import hf_config, hf_weights
+from tinyllm.loaders.source import (
     DEFAULT_MODEL_PACKAGE,
     default_model_path,
     load_model,
     resolve_model,
 )
+from tinyllm.model.config import ModelLoadError, UnsupportedModelError
+from tinyllm.model.llama import Transformer
 
 VOCAB = 256
 BASE = dict(
@@ -187,7 +187,7 @@ def test_old_and_new_rope_layouts_agree(tmp_path: Path) -> None:
 
 
 def test_sliding_window_recorded_with_warning(tmp_path: Path, caplog) -> None:
-    with caplog.at_level(logging.WARNING, logger="tinyllm.hf_loader"):
+    with caplog.at_level(logging.WARNING, logger="tinyllm.loaders.hf"):
         config = hf_config(_write_config(tmp_path / "m", model_type="mistral", sliding_window=32))
     assert config.extra["sliding_window"] == 32
     assert "full context" in caplog.text

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from tests.greedy import assert_greedy_close, top_dicts
-from tinyllm.kv_cache import KVCache
-from tinyllm.sampling_params import SamplingParams
+from tinyllm.engine.kv_cache import KVCache
+from tinyllm.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -5,10 +5,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinyllm.config import ModelConfig
-from tinyllm.kv_cache import KVCache, PackedKVCache, SlotKVCache
-from tinyllm.model import Transformer
-from tinyllm.paged_kv_cache import BlockAllocator, OutOfBlocks, PagedKVCache
+from tinyllm.engine.kv_cache import KVCache, PackedKVCache, SlotKVCache
+from tinyllm.engine.paged_kv_cache import BlockAllocator, OutOfBlocks, PagedKVCache
+from tinyllm.model.config import ModelConfig
+from tinyllm.model.llama import Transformer
 
 H, D, LAYERS = 2, 4, 2
 

@@ -4,10 +4,10 @@ import pytest
 import tokenizers
 import torch
 
-from tinyllm.sampler import sample
-from tinyllm.sampling_params import SamplingParams
-from tinyllm.sequence import Sequence
-from tinyllm.tokenizer import Tokenizer
+from tinyllm.engine.sampler import sample
+from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.engine.sequence import Sequence
+from tinyllm.text.tokenizer import Tokenizer
 
 LETTERS = ["<eos>", "a", "b", "S", "T", "O", "P", "x"]
 

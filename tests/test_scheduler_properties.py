@@ -9,12 +9,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tinyllm.config import ModelConfig
-from tinyllm.engine import EngineConfig, LLMEngine
-from tinyllm.model import Transformer
-from tinyllm.paged_kv_cache import PagedKVCache
-from tinyllm.sampling_params import SamplingParams
-from tinyllm.tokenizer import Tokenizer
+from tinyllm.engine.engine import EngineConfig, LLMEngine
+from tinyllm.engine.paged_kv_cache import PagedKVCache
+from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.model.config import ModelConfig
+from tinyllm.model.llama import Transformer
+from tinyllm.text.tokenizer import Tokenizer
 
 VOCAB = 64
 MAX_LEN = 48

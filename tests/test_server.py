@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.greedy import assert_greedy_close
 from tinyllm import SamplingParams
-from tinyllm.engine import EngineStats
-from tinyllm.server.app import create_app
+from tinyllm.engine.engine import EngineStats
+from tinyllm.entrypoints.server.app import create_app
 
 pytestmark = pytest.mark.slow
 

@@ -31,7 +31,16 @@ def log_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def base_url(log_path):
     with open(log_path, "w") as log:
-        cmd = [sys.executable, "-m", "tinyllm.cli", "serve", "--port", "0", "--api-key", KEY]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tinyllm.entrypoints.cli",
+            "serve",
+            "--port",
+            "0",
+            "--api-key",
+            KEY,
+        ]
         proc = subprocess.Popen(cmd + SERVE_ARGS, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 180

@@ -14,11 +14,11 @@ from tokenizers import pre_tokenizers, processors
 from transformers import AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from tinyllm.chat_template import ChatTemplateError, render_chat_template
-from tinyllm.config import UnsupportedModelError
-from tinyllm.detokenizer import IncrementalDetokenizer
-from tinyllm.gguf_tokenizer import tokenizer_from_gguf
-from tinyllm.tokenizer import Tokenizer
+from tinyllm.model.config import UnsupportedModelError
+from tinyllm.text.chat_template import ChatTemplateError, render_chat_template
+from tinyllm.text.detokenizer import IncrementalDetokenizer
+from tinyllm.text.gguf_tokenizer import tokenizer_from_gguf
+from tinyllm.text.tokenizer import Tokenizer
 
 CORPUS = [
     "Hello, world!",

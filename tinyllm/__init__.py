@@ -6,15 +6,15 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 _HOMES = {
-    "LLM": "tinyllm.llm",
-    "SamplingParams": "tinyllm.sampling_params",
-    "RequestOutput": "tinyllm.outputs",
-    "CompletionOutput": "tinyllm.outputs",
+    "LLM": "tinyllm.entrypoints.llm",
+    "SamplingParams": "tinyllm.engine.sampling_params",
+    "RequestOutput": "tinyllm.engine.outputs",
+    "CompletionOutput": "tinyllm.engine.outputs",
 }
 
 
 def __getattr__(name: str):
-    # Imported on first use, so `import tinyllm.config` (or the CLI's --help) stays light.
+    # Imported on first use, so `import tinyllm.model.config` (or the CLI's --help) stays light.
     if name in _HOMES:
         return getattr(importlib.import_module(_HOMES[name]), name)
     raise AttributeError(f"module 'tinyllm' has no attribute {name!r}")

@@ -5,10 +5,10 @@ import time
 
 import torch
 
-from tinyllm.detokenizer import IncrementalDetokenizer
-from tinyllm.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from tinyllm.sampling_params import SamplingParams
-from tinyllm.tokenizer import Tokenizer
+from tinyllm.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.text.detokenizer import IncrementalDetokenizer
+from tinyllm.text.tokenizer import Tokenizer
 
 
 class Status(enum.Enum):

@@ -14,11 +14,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
 from tinyllm import __version__
-from tinyllm.llm import LLM
-from tinyllm.server.engine_loop import EngineLoop
-from tinyllm.server.errors import APIError, BodyLimitMiddleware, install_error_handlers
-from tinyllm.server.metrics import ServerMetrics
-from tinyllm.server.protocol import (
+from tinyllm.entrypoints.llm import LLM
+from tinyllm.entrypoints.server.engine_loop import EngineLoop
+from tinyllm.entrypoints.server.errors import APIError, BodyLimitMiddleware, install_error_handlers
+from tinyllm.entrypoints.server.metrics import ServerMetrics
+from tinyllm.entrypoints.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -26,8 +26,8 @@ from tinyllm.server.protocol import (
     ModelList,
     TokenizeRequest,
 )
-from tinyllm.server.sampling import chat_prompt, encode
-from tinyllm.server.serving import OpenAIServing
+from tinyllm.entrypoints.server.sampling import chat_prompt, encode
+from tinyllm.entrypoints.server.serving import OpenAIServing
 
 log = logging.getLogger("tinyllm.server")
 
@@ -133,7 +133,7 @@ def serve(args: argparse.Namespace) -> None:
     """`tinyllm serve`: load the model, then serve until interrupted."""
     import uvicorn
 
-    from tinyllm.cli import build_llm
+    from tinyllm.entrypoints.args import build_llm
 
     logging.getLogger("tinyllm.server").setLevel(logging.INFO)
     app = create_app(build_llm(args), api_key=args.api_key)

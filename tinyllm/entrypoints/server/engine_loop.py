@@ -13,11 +13,11 @@ import threading
 import time
 from dataclasses import dataclass
 
-from tinyllm.engine import LLMEngine
-from tinyllm.outputs import RequestOutput
-from tinyllm.sampling_params import SamplingParams
-from tinyllm.server.errors import APIError, EngineDeadError
-from tinyllm.server.metrics import ServerMetrics
+from tinyllm.engine.engine import LLMEngine
+from tinyllm.engine.outputs import RequestOutput
+from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.entrypoints.server.errors import APIError, EngineDeadError
+from tinyllm.entrypoints.server.metrics import ServerMetrics
 
 log = logging.getLogger("tinyllm.server")
 

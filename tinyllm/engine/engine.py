@@ -12,15 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
-from tinyllm.kv_cache import PackedKVCache, SlotKVCache
-from tinyllm.model import Transformer
-from tinyllm.outputs import RequestOutput
-from tinyllm.paged_kv_cache import PagedKVCache
-from tinyllm.sampler import sample
-from tinyllm.sampling_params import SamplingParams
-from tinyllm.scheduler import Scheduler
-from tinyllm.sequence import Sequence
-from tinyllm.tokenizer import Tokenizer
+from tinyllm.engine.kv_cache import PackedKVCache, SlotKVCache
+from tinyllm.engine.outputs import RequestOutput
+from tinyllm.engine.paged_kv_cache import PagedKVCache
+from tinyllm.engine.sampler import sample
+from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.engine.scheduler import Scheduler
+from tinyllm.engine.sequence import Sequence
+from tinyllm.model.llama import Transformer
+from tinyllm.text.tokenizer import Tokenizer
 
 log = logging.getLogger("tinyllm")
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from tinyllm.config import ModelConfig, ModelLoadError, UnsupportedModelError
+from tinyllm.model.config import ModelConfig, ModelLoadError, UnsupportedModelError
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # Mistral GGUFs say "llama"
 

@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from pydantic import BaseModel
 
-from tinyllm.outputs import RequestOutput, TokenLogprob
-from tinyllm.server.engine_loop import EngineLoop
-from tinyllm.server.errors import APIError
-from tinyllm.server.protocol import Usage
-from tinyllm.server.sampling import Choice, Prompt
+from tinyllm.engine.outputs import RequestOutput, TokenLogprob
+from tinyllm.entrypoints.server.engine_loop import EngineLoop
+from tinyllm.entrypoints.server.errors import APIError
+from tinyllm.entrypoints.server.protocol import Usage
+from tinyllm.entrypoints.server.sampling import Choice, Prompt
 
 log = logging.getLogger("tinyllm.server")
 

@@ -7,9 +7,9 @@ from typing import Any
 import gguf
 import tokenizers
 
-from tinyllm.chat_template import render_chat_template
-from tinyllm.config import ModelLoadError
-from tinyllm.gguf_tokenizer import field, tokenizer_from_gguf
+from tinyllm.model.config import ModelLoadError
+from tinyllm.text.chat_template import render_chat_template
+from tinyllm.text.gguf_tokenizer import field, tokenizer_from_gguf
 
 # Control tokens that end a turn in common chat formats. llama.cpp stops on these whatever the
 # file's eos id says, because instruct models often end with a different one than the base model.
@@ -153,6 +153,18 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             **{**self._template_tokens, **extra},
         )
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> tuple[str, list[int]]:
+        """The chat template's text for `messages` and its token ids: the one place a
+        conversation becomes a prompt (the Python API, the CLI and the server all call it)."""
+        if not messages:
+            raise ValueError("the conversation is empty: give at least one message")
+        text = self.apply_chat_template(messages, add_generation_prompt, **extra)
+        text.encode("utf-8")  # UnicodeEncodeError on lone surrogates, which JSON can carry
+        # The template writes any BOS itself, so the tokenizer must not add another.
+        return text, self.encode(text, add_special_tokens=False)
 
     def _text_of(self, token_id: int | None) -> str:
         return "" if token_id is None else self.backend.id_to_token(token_id) or ""

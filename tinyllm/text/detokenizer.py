@@ -8,7 +8,7 @@ so a token decodes the same as it would mid-sequence (leading-space rules depend
 decodes only ids[prefix:] and emits the new part once it no longer ends in U+FFFD.
 """
 
-from tinyllm.tokenizer import Tokenizer
+from tinyllm.text.tokenizer import Tokenizer
 
 # How many prompt tokens to decode as context before the first generated one.
 _CONTEXT = 5

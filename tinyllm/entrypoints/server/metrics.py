@@ -2,7 +2,7 @@
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tinyllm.engine import EngineStats
+from tinyllm.engine.engine import EngineStats
 
 
 class ServerMetrics:

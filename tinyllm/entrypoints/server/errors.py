@@ -10,7 +10,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tinyllm.server.protocol import error_body
+from tinyllm.entrypoints.server.protocol import error_body
 
 log = logging.getLogger("tinyllm.server")
 

@@ -22,7 +22,7 @@ from tokenizers import (
     pre_tokenizers,
 )
 
-from tinyllm.config import ModelLoadError, UnsupportedModelError
+from tinyllm.model.config import ModelLoadError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
 

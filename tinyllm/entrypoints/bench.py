@@ -19,15 +19,16 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
-from tinyllm.model import Transformer
-from tinyllm.model_source import resolve_model
-from tinyllm.sampling_params import SamplingParams
-from tinyllm.workloads import Request, check_workload, make_requests
+from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.entrypoints.args import build_llm
+from tinyllm.entrypoints.workloads import Request, check_workload, make_requests
+from tinyllm.loaders.source import resolve_model
+from tinyllm.model.llama import Transformer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from tinyllm.llm import LLM
+    from tinyllm.entrypoints.llm import LLM
 
 BASELINE_BATCH = 16
 INSTALL_BASELINE = "pip install -e '.[test]'"
@@ -223,8 +224,6 @@ def _table(runs: list[Run], flops: float, peak: float) -> str:
 
 
 def run_bench(args: argparse.Namespace) -> None:
-    from tinyllm.cli import build_llm
-
     check_workload(args.workload, args.num_requests)  # before a minute of model loading
     llm = build_llm(args)
     model = llm.engine.model

@@ -8,7 +8,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from tinyllm.config import (
+from tinyllm.model.config import (
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
     ModelLoadError,

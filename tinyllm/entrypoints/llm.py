@@ -5,11 +5,11 @@ import time
 import torch
 from tqdm import tqdm
 
-from tinyllm.engine import EngineConfig, LLMEngine
-from tinyllm.model import Transformer
-from tinyllm.model_source import load_model
-from tinyllm.outputs import RequestOutput
-from tinyllm.sampling_params import SamplingParams
+from tinyllm.engine.engine import EngineConfig, LLMEngine
+from tinyllm.engine.outputs import RequestOutput
+from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.loaders.source import load_model
+from tinyllm.model.llama import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,10 +65,10 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
-        conversations = [messages] if isinstance(messages[0], dict) else messages
-        rendered = [self.tokenizer.apply_chat_template(c) for c in conversations]
-        # The template writes any BOS itself, so the tokenizer must not add another.
-        encoded = [(r, self.tokenizer.encode(r, add_special_tokens=False)) for r in rendered]
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not conversations:
+            raise ValueError("no conversation given: pass a list of messages")
+        encoded = [self.tokenizer.encode_chat(c) for c in conversations]
         return self._submit(encoded, params, use_tqdm)
 
     def _submit(

@@ -3,8 +3,8 @@
 import torch
 from torch import Tensor
 
-from tinyllm.outputs import TokenLogprob
-from tinyllm.sequence import Sequence
+from tinyllm.engine.outputs import TokenLogprob
+from tinyllm.engine.sequence import Sequence
 
 
 def _apply_penalties(logits: Tensor, seqs: list[Sequence]) -> None:
