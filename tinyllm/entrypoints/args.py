@@ -17,6 +17,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens one engine step may run (decode tokens plus prefill chunks)",
+    )
 
 
 def build_llm(args: argparse.Namespace):
@@ -31,4 +37,9 @@ def build_llm(args: argparse.Namespace):
         num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        **(
+            {"max_num_batched_tokens": args.max_num_batched_tokens}
+            if args.max_num_batched_tokens
+            else {}
+        ),
     )
