@@ -33,13 +33,13 @@ class EngineConfig:
     kv_cache_memory: int = 2 << 30  # bytes of K and V, all layers
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's context length
-    max_prefill_tokens: int = 4096  # prompt tokens packed into one prefill step
+    max_num_batched_tokens: int = 4096  # prompt tokens packed into one prefill step
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.kv_cache not in ("paged", "slot"):
             raise ValueError(f"kv_cache={self.kv_cache!r}: choose 'paged' or 'slot'")
-        for name in ("block_size", "max_num_seqs", "max_prefill_tokens", "kv_cache_memory"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -106,7 +106,7 @@ class LLMEngine:
             model.config.max_position_embeddings,
         )
         self.cache = _build_cache(model, config, self.max_model_len)
-        self.scheduler = Scheduler(self.cache, config.max_prefill_tokens)
+        self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens)
         self.device = model.lm_head.weight.device
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)

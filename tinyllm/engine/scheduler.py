@@ -6,9 +6,9 @@ from tinyllm.engine.sequence import Sequence, Status
 
 
 class Scheduler:
-    def __init__(self, cache, max_prefill_tokens: int):
+    def __init__(self, cache, max_num_batched_tokens: int):
         self.cache = cache
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self.num_preemptions = 0
@@ -32,7 +32,7 @@ class Scheduler:
                 rejected.append(seq)
                 continue
             lengths = [s.num_tokens for s in admitted] + [n]
-            if admitted and sum(lengths) > self.max_prefill_tokens:
+            if admitted and sum(lengths) > self.max_num_batched_tokens:
                 break
             if not self.cache.can_admit(lengths):
                 break
