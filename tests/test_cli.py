@@ -36,7 +36,7 @@ def test_chat_keeps_the_conversation(default_llm, monkeypatch, capsys):
     monkeypatch.setattr(
         default_llm.tokenizer,
         "apply_chat_template",
-        lambda msgs, **kw: seen.append([dict(m) for m in msgs]) or render(msgs),
+        lambda msgs, *a, **kw: seen.append([dict(m) for m in msgs]) or render(msgs),
     )
     monkeypatch.setattr(cli, "build_llm", lambda args: default_llm)
     monkeypatch.setattr("sys.stdin", io.StringIO("My name is Ada.\nWhat is my name?\n\n"))
