@@ -1,15 +1,12 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) in one readable file.
 
 Parameter names match Hugging Face's, so every loader produces one state dict format.
-The model knows nothing about batching or memory: it talks to a KV cache through the protocol of
-the founding design (seed/paged_kv_cache.py):
-
-    cos, sin = cache.begin_step(T, rope)      # where each new token sits; rope.at(positions)
-    out = cache.layer(i).attention(q, k, v)   # store the new keys/values, attend over the
-                                              # sequence's own (SDPA over update(k, v) by default)
-    cache.end_step(T)
-
-so a contiguous prefill cache, a slot cache and a paged cache are interchangeable.
+The model knows nothing about scheduling or memory: it runs one flat batch of tokens,
+`forward(input_ids, positions, ctx)`, where `ctx` (built once per step by the model runner)
+carries the attention metadata, the attention backend and each layer's K/V cache. Every token
+of every request in the step goes through the linear layers as one (N, hidden) matrix; only
+attention needs to know which tokens belong together, and the backend reads that from the
+metadata.
 """
 
 import math
@@ -18,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tinyllm.model.attention import ForwardContext
 from tinyllm.model.config import ModelConfig
 
 
@@ -48,7 +46,7 @@ def _llama3_inv_freq(inv_freq: Tensor, scaling: dict) -> Tensor:
 
 
 class Rope:
-    """Rotary embedding tables; `at(positions)` gives the cos/sin for any (B, T) positions."""
+    """Rotary embedding tables; `at(positions)` gives the cos/sin for any positions."""
 
     def __init__(self, config: ModelConfig, device: torch.device | str = "cpu"):
         d = config.head_dim
@@ -68,7 +66,7 @@ class Rope:
         self.sin = emb.sin().float().to(device)
 
     def at(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """positions (B, T) -> cos, sin of shape (B, 1, T, head_dim), broadcast over heads."""
+        """positions (N,) -> cos, sin of shape (N, 1, head_dim), broadcast over heads."""
         return self.cos[positions][:, None], self.sin[positions][:, None]
 
 
@@ -82,9 +80,11 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, layer: int):
         super().__init__()
+        self.layer = layer
         self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.scale = c.head_dim**-0.5
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
@@ -95,16 +95,17 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv) -> Tensor:
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: ForwardContext) -> Tensor:
+        N = x.shape[0]
+        q = self.q_proj(x).view(N, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(N, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(N, self.n_kv, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = kv.attention(q, k, v)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        k_cache, v_cache = ctx.kv_caches[self.layer]
+        out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale)
+        return self.o_proj(out.reshape(N, -1))
 
 
 class MLP(nn.Module):
@@ -119,15 +120,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
+        self.self_attn = Attention(c, layer)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: ForwardContext) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -137,7 +138,7 @@ class Backbone(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
@@ -169,15 +170,13 @@ class Transformer(nn.Module):
         self.rope = Rope(self.config, self.lm_head.weight.device)
 
     @torch.inference_mode()
-    def forward(self, input_ids: Tensor, cache) -> Tensor:
-        """input_ids (B, T) -> final hidden states (B, T, hidden); logits are a separate step
-        so prefill can project only the positions it samples from."""
-        T = input_ids.shape[1]
-        cos, sin = cache.begin_step(T, self.rope)
+    def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
+        """input_ids, positions (N,) -> final hidden states (N, hidden); logits are a separate
+        step so that only the positions that sample are projected onto the vocabulary."""
+        cos, sin = self.rope.at(positions)
         h = self.model.embed_tokens(input_ids)
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, cache.layer(i))
-        cache.end_step(T)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, ctx)
         return self.model.norm(h)
 
     @torch.inference_mode()

@@ -1,0 +1,76 @@
+"""The interface every attention backend implements, and the per-step metadata it reads."""
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch layout, built once per step by the model runner, read by every layer."""
+
+    slot_mapping: Tensor  # (N,) long: flat pool slot (block * block_size + offset) per new token
+    block_tables: Tensor  # (R, max_blocks) long: each row's blocks, padded with the scratch block
+    seq_lens: Tensor  # (R,) long: tokens of context per row once this step's are written
+    query_start_loc: Tensor  # (R + 1,) long: row r's new tokens are [start[r], start[r + 1])
+    num_decodes: int  # rows [0, num_decodes) have exactly one new token each
+    # The same numbers on the CPU, for backends that loop over rows in Python.
+    seq_lens_cpu: list[int]
+    query_lens_cpu: list[int]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend:
+    """Writes the step's new K/V into the cache (`write`), then attends (`attend`).
+
+    Subclasses implement `attend`. Shapes: q (N, Hq, D), k/v (N, Hkv, D) with Hq a multiple of
+    Hkv (grouped-query attention); caches (num_blocks + 1, block_size, Hkv, D)."""
+
+    name = "base"
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> Tensor:
+        self.write(k, v, k_cache, v_cache, meta)
+        return self.attend(q, k, v, k_cache, v_cache, meta, scale)
+
+    @staticmethod
+    def write(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata):
+        """Store each new token's K and V at its slot: one index_copy_ per tensor."""
+        H, D = k_cache.shape[2:]
+        k_cache.view(-1, H, D).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, H, D).index_copy_(0, meta.slot_mapping, v)
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> Tensor:
+        """Attention output (N, Hq, D). The new tokens' K/V are already in the cache; `k` and
+        `v` are passed too, for rows whose whole context is new (a first prefill chunk)."""
+        raise NotImplementedError
+
+
+@dataclass
+class ForwardContext:
+    """What a forward pass needs besides token ids and positions: the step's metadata, the
+    backend and each layer's (K, V) cache. The model runner owns the caches and builds this."""
+
+    meta: AttentionMetadata
+    backend: AttentionBackend
+    kv_caches: list[tuple[Tensor, Tensor]]

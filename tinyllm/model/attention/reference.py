@@ -1,0 +1,76 @@
+"""The reference backend: gather each row's blocks into a contiguous copy, then SDPA.
+
+The founding design's read path, kept because it is easy to trust: the other backends are
+tested against it. The copy is its cost (docs/INFERENCE.md measures it)."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tinyllm.model.attention.backend import AttentionBackend, AttentionMetadata
+
+
+def gather_blocks(cache: Tensor, table: Tensor) -> Tensor:
+    """(R, B) block ids -> (R, B * block_size, H, D), the rows' tokens in order.
+    index_select, not cache[table]: 2-D advanced indexing is ~1000x slower on CPU."""
+    R, B = table.shape
+    _, bs, H, D = cache.shape
+    return cache.index_select(0, table.reshape(-1)).view(R, B * bs, H, D)
+
+
+class ReferenceBackend(AttentionBackend):
+    name = "reference"
+
+    def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> Tensor:
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+        bs = k_cache.shape[1]
+        start = nd
+        for r in range(nd, meta.num_rows):
+            n, L = meta.query_lens_cpu[r], meta.seq_lens_cpu[r]
+            qr = q[start : start + n].transpose(0, 1)[None]  # (1, Hq, n, D)
+            if n == L:  # the whole context is new: no need to read the cache
+                kr, vr = k[start : start + n], v[start : start + n]
+                mask = None
+            else:
+                table = meta.block_tables[r : r + 1, : math.ceil(L / bs)]
+                kr = gather_blocks(k_cache, table)[0, :L]
+                vr = gather_blocks(v_cache, table)[0, :L]
+                # New token i sits at position L - n + i and sees keys up to it.
+                rows = torch.arange(L - n, L, device=q.device)[:, None]
+                mask = torch.arange(L, device=q.device)[None, :] <= rows
+            o = F.scaled_dot_product_attention(
+                qr,
+                kr.transpose(0, 1)[None],
+                vr.transpose(0, 1)[None],
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[start : start + n] = o[0].transpose(0, 1)
+            start += n
+        return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> Tensor:
+        """All one-token rows at once: gather, mask each row past its length, one SDPA."""
+        nd, bs = meta.num_decodes, k_cache.shape[1]
+        n_blocks = math.ceil(max(meta.seq_lens_cpu[:nd]) / bs)
+        table = meta.block_tables[:nd, :n_blocks]
+        keys = gather_blocks(k_cache, table).transpose(1, 2)  # (nd, H, S, D)
+        values = gather_blocks(v_cache, table).transpose(1, 2)
+        visible = torch.arange(n_blocks * bs, device=q.device) < meta.seq_lens[:nd, None]
+        o = F.scaled_dot_product_attention(
+            q[:, :, None],  # (nd, Hq, 1, D)
+            keys,
+            values,
+            attn_mask=visible[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )
+        return o[:, :, 0]
