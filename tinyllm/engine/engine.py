@@ -1,49 +1,30 @@
-"""The continuous-batching engine: add requests any time, call step() until they finish.
+"""The engine: add requests any time, call step() until they finish.
 
-Each step: admit what fits (prefilled together, packed without padding), make room for the
-next decode token (preempting the newest sequences if blocks run out), decode one token for
-every running sequence, and hand back every request that advanced.
+One step: the scheduler decides how many tokens each request runs (decodes and prefill chunks
+under one token budget, every block allocated and every preemption decided up front); the model
+runner runs them as one flat batch and samples for the requests whose tokens are all computed;
+the output processor turns the new tokens into text and outputs.
 """
 
 import itertools
 import logging
 import random
+import time
 from dataclasses import dataclass
 
-import torch
-
-from tinyllm.engine.kv_cache import PackedKVCache, SlotKVCache
+from tinyllm.engine.config import EngineConfig
+from tinyllm.engine.kv_cache_manager import KVCacheManager
+from tinyllm.engine.model_runner import ModelRunner, kv_bytes_per_token
+from tinyllm.engine.output_processor import OutputProcessor, TokenUpdate
 from tinyllm.engine.outputs import RequestOutput
-from tinyllm.engine.paged_kv_cache import PagedKVCache
-from tinyllm.engine.sampler import sample
+from tinyllm.engine.request import Request, RequestStatus
 from tinyllm.engine.sampling_params import SamplingParams
 from tinyllm.engine.scheduler import Scheduler
-from tinyllm.engine.sequence import Sequence
+from tinyllm.model.attention import get_backend
 from tinyllm.model.llama import Transformer
 from tinyllm.text.tokenizer import Tokenizer
 
 log = logging.getLogger("tinyllm")
-
-
-@dataclass
-class EngineConfig:
-    kv_cache: str = "paged"  # "paged" or "slot"
-    block_size: int = 16
-    num_blocks: int | None = None  # None: as many as kv_cache_memory holds
-    kv_cache_memory: int = 2 << 30  # bytes of K and V, all layers
-    max_num_seqs: int = 64
-    max_model_len: int | None = None  # None: the model's context length
-    max_num_batched_tokens: int = 4096  # prompt tokens packed into one prefill step
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.kv_cache not in ("paged", "slot"):
-            raise ValueError(f"kv_cache={self.kv_cache!r}: choose 'paged' or 'slot'")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks={self.num_blocks} must be >= 1")
 
 
 @dataclass
@@ -52,50 +33,46 @@ class EngineStats:
     num_waiting: int
     kv_blocks_used: int
     kv_blocks_total: int
-    kv_usage: float  # fraction of the cache's token capacity allocated
+    kv_usage: float  # fraction of the pool's blocks allocated
     num_preemptions: int
-    recomputed_tokens: int  # prefill work redone for preempted sequences
+    recomputed_tokens: int  # prefill work redone for preempted requests
     prompt_tokens: int
     generation_tokens: int
 
 
-def _build_cache(model: Transformer, cfg: EngineConfig, max_len: int):
-    c = model.config
-    w = model.lm_head.weight
-    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * w.element_size()
-    shape = dict(
-        n_layers=c.num_layers,
-        n_kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        dtype=w.dtype,
-        device=w.device,
-    )
-    unit = per_token * (max_len if cfg.kv_cache == "slot" else cfg.block_size)
-    if cfg.kv_cache_memory < unit and not (cfg.kv_cache == "paged" and cfg.num_blocks):
+def build_kv_cache_manager(model: Transformer, cfg: EngineConfig, max_len: int) -> KVCacheManager:
+    """The paged pool, or the slot baseline: the same manager with blocks of max_len tokens."""
+    per_token = kv_bytes_per_token(model)
+    block_size = max_len if cfg.kv_cache == "slot" else cfg.block_size
+    unit = per_token * block_size
+    if cfg.num_blocks is None and cfg.kv_cache_memory < unit:
         what = f"one slot of {max_len} tokens" if cfg.kv_cache == "slot" else "one block"
         raise ValueError(
             f"kv_cache_memory={cfg.kv_cache_memory} bytes cannot hold {what} ({unit} bytes); "
             "raise kv_cache_memory or lower max_model_len"
         )
     if cfg.kv_cache == "slot":
-        n_slots = min(cfg.max_num_seqs, cfg.kv_cache_memory // unit)
-        log.info("slot KV cache: %d slots x %d tokens", n_slots, max_len)
-        return SlotKVCache(n_slots=n_slots, max_len=max_len, **shape)
-    n_blocks = cfg.num_blocks or cfg.kv_cache_memory // unit
+        num_blocks = min(cfg.max_num_seqs, cfg.num_blocks or cfg.kv_cache_memory // unit)
+    else:
+        num_blocks = cfg.num_blocks or cfg.kv_cache_memory // unit
+    tokens = num_blocks * block_size
     log.info(
-        "paged KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB)",
-        n_blocks,
-        cfg.block_size,
-        n_blocks * cfg.block_size,
-        n_blocks * cfg.block_size * per_token / 2**20,
+        "%s KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB)",
+        cfg.kv_cache,
+        num_blocks,
+        block_size,
+        tokens,
+        tokens * per_token / 2**20,
     )
-    return PagedKVCache(
-        n_slots=cfg.max_num_seqs,
-        n_blocks=n_blocks,
-        block_size=cfg.block_size,
-        max_len=max_len,
-        **shape,
-    )
+    if tokens < max_len:
+        log.warning(
+            "the KV cache holds %d tokens, fewer than max_model_len %d: a request that grows "
+            "past %d tokens fails; raise num_blocks/kv_cache_memory or lower max_model_len",
+            tokens,
+            max_len,
+            tokens - 1,
+        )
+    return KVCacheManager(num_blocks, block_size)
 
 
 class LLMEngine:
@@ -105,9 +82,12 @@ class LLMEngine:
             config.max_model_len or model.config.max_position_embeddings,
             model.config.max_position_embeddings,
         )
-        self.cache = _build_cache(model, config, self.max_model_len)
-        self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens)
-        self.device = model.lm_head.weight.device
+        self.kv = build_kv_cache_manager(model, config, self.max_model_len)
+        backend = get_backend(config.attention_backend, model.lm_head.weight.device)
+        self.runner = ModelRunner(model, self.kv.num_blocks, self.kv.block_size, backend)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
         self.prompt_tokens = self.generation_tokens = self.recomputed_tokens = 0
@@ -147,41 +127,45 @@ class LLMEngine:
         else:
             ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
         self.validate_prompt(ids, params)
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        seq = Sequence(
+        if request_id is None:
+            request_id = next(i for i in map(str, self._ids) if i not in self.requests)
+        elif request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use by a running request")
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        request = Request(
             request_id,
-            text,
             ids,
             params,
-            self.tokenizer,
-            self.max_model_len,
+            max_tokens,
+            self.tokenizer.eos_token_ids,
             seed=self._rng.getrandbits(63),
+            arrival_time=time.monotonic(),
         )
-        self.scheduler.add(seq)
+        self.requests[request_id] = request
+        self.output_processor.add_request(request_id, text, request.prompt_token_ids, params)
+        self.scheduler.add(request)
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        seq = self.scheduler.abort(request_id)
-        if seq is None:
+        """Stop a request and free its blocks; its final output, or None if unknown."""
+        request = self.requests.get(request_id)
+        if request is None:
             return None
-        seq.finish("abort")
-        return seq.output()
+        outputs = self._finish([request], TokenUpdate(request_id, None, None, "abort"))
+        return outputs[0] if outputs else None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> EngineStats:
-        c = self.cache
-        if isinstance(c, PagedKVCache):
-            used, total = c.alloc.num_used, c.alloc.n_blocks
-        else:
-            used, total = sum(c.active), c.n_slots
+        pool = self.kv.pool
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            kv_blocks_used=used,
-            kv_blocks_total=total,
-            kv_usage=c.allocated_tokens() / c.reserved_tokens(),
+            kv_blocks_used=pool.num_used,
+            kv_blocks_total=pool.num_blocks,
+            kv_usage=pool.num_used / pool.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             recomputed_tokens=self.recomputed_tokens,
             prompt_tokens=self.prompt_tokens,
@@ -191,58 +175,54 @@ class LLMEngine:
     # -- one step -------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        advanced: dict[str, Sequence] = {}
-        admitted, rejected = self.scheduler.schedule_prefill()
-        for seq in rejected:
-            seq.finish(
-                "error",
-                error=(
-                    f"request needs {seq.num_tokens + 1} tokens of KV cache but the whole cache "
-                    f"holds {self.cache.reserved_tokens()} (max_model_len {self.max_model_len})"
-                ),
+        out = self.scheduler.schedule()
+        outputs = []
+        for request in out.rejected:
+            error = (
+                f"request needs {request.num_tokens + 1} tokens of KV cache but the whole cache "
+                f"holds {self.kv.capacity_tokens} (max_model_len {self.max_model_len})"
             )
-            advanced[seq.request_id] = seq
-        if admitted:
-            self._prefill(admitted)
-            advanced.update((s.request_id, s) for s in admitted)
-        self.scheduler.preempt_for_decode()
-        batch = self.scheduler.decode_batch()
-        if batch:
-            self._decode(batch)
-            advanced.update((s.request_id, s) for s in batch)
-        return [s.output() for s in advanced.values()]
+            update = TokenUpdate(request.request_id, None, None, "error", error=error)
+            outputs += self._finish([request], update)
+        if not out.scheduled:
+            return outputs
+        sampled = self.runner.execute(out.scheduled)
+        for request, n in out.scheduled:
+            self._count(request, n)
+            request.num_computed_tokens += n
+        updates, done = [], []
+        for request, token, logprob in sampled:
+            request.append_token(token, self.max_model_len)
+            reason = request.finish_reason
+            update = TokenUpdate(request.request_id, token, logprob, reason, request.stop_reason)
+            updates.append(update)
+            if reason is not None:
+                done.append(request)
+        self.generation_tokens += len(sampled)
+        step_outputs, stopped = self.output_processor.process(updates)
+        for request in done:
+            self._release(request)
+        for request_id in stopped:  # a stop string: the output processor has reported it
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.finish_reason = "stop"
+                self._release(request)
+        return outputs + step_outputs
 
-    def _prefill(self, seqs: list[Sequence]) -> None:
-        """Prefill the batch packed, sample each one's next token, move it into the cache."""
-        c = self.model.config
-        w = self.model.lm_head.weight
-        prefill = PackedKVCache(
-            c.num_layers,
-            [s.num_tokens for s in seqs],
-            c.num_kv_heads,
-            c.head_dim,
-            w.dtype,
-            self.device,
-        )
-        ids = torch.tensor([[t for s in seqs for t in s.all_token_ids]], device=self.device)
-        hidden = self.model(ids, prefill)[0]
-        slots = self.cache.free_slots()[: len(seqs)]
-        self.cache.admit(slots, prefill)
-        self.scheduler.start(seqs, slots)
-        self.prompt_tokens += sum(len(s.prompt_token_ids) for s in seqs if not s.num_preemptions)
-        self.recomputed_tokens += sum(s.num_tokens for s in seqs if s.num_preemptions)
-        last = torch.tensor(prefill.last_token_index(), device=self.device)
-        self._append(seqs, self.model.logits(hidden[last]))
+    def _count(self, request: Request, n: int) -> None:
+        start, end = request.num_computed_tokens, request.num_computed_tokens + n
+        redone = max(0, min(end, request.num_ever_computed) - start)
+        self.recomputed_tokens += redone
+        self.prompt_tokens += max(0, min(end, request.num_prompt_tokens) - start - redone)
+        request.num_ever_computed = max(request.num_ever_computed, end)
 
-    def _decode(self, seqs: list[Sequence]) -> None:
-        ids = torch.tensor([[s.output_token_ids[-1]] for s in seqs], device=self.device)
-        hidden = self.model(ids, self.cache)
-        self._append(seqs, self.model.logits(hidden[:, 0]))
+    def _finish(self, requests: list[Request], update: TokenUpdate) -> list[RequestOutput]:
+        for request in requests:
+            request.finish_reason = update.finish_reason
+            self._release(request)
+        return self.output_processor.process([update])[0]
 
-    def _append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        tokens, logprobs = sample(logits, seqs)
-        self.generation_tokens += len(tokens)
-        for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True):
-            seq.append(tok, lp)
-            if seq.finished:
-                self.scheduler.release(seq)
+    def _release(self, request: Request) -> None:
+        if request.status is not RequestStatus.FINISHED:
+            self.scheduler.finish(request)
+        self.requests.pop(request.request_id, None)

@@ -30,7 +30,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     error: str | None = None  # why a request that could never run was refused
-    num_cached_tokens: int = 0
 
     @property
     def text(self) -> str:

@@ -1,91 +1,154 @@
-"""Turn a batch of logits into one token per sequence, each with its own SamplingParams."""
+"""Turn a batch of logits into one token per request, each with its own SamplingParams.
+
+Per-row settings become tensors on the logits' device, so the same code runs on CPU and CUDA.
+The only CPU tensors are each request's random draws, moved to the device before use."""
+
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from tinyllm.engine.outputs import TokenLogprob
-from tinyllm.engine.sequence import Sequence
+from tinyllm.engine.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
 
 
-def _apply_penalties(logits: Tensor, seqs: list[Sequence]) -> None:
-    """vLLM's semantics: repetition over prompt and output, presence/frequency over output."""
-    V = logits.shape[1]
-    for r, seq in enumerate(seqs):
-        p = seq.params
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(seq.all_token_ids)), dtype=torch.long)
-            x = logits[r, seen]
-            logits[r, seen] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
-            counts = torch.bincount(torch.tensor(seq.output_token_ids), minlength=V)[:V]
-            logits[r] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-        if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
-            logits[r].index_add_(
-                0,
-                ids,
-                torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device),
-            )
+class SamplerRequest(Protocol):
+    """What the sampler reads from a request (the engine's Request has these attributes)."""
+
+    params: SamplingParams
+    generator: torch.Generator  # CPU, seeded per request
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated so far
 
 
-def _filter(logits: Tensor, seqs: list[Sequence]) -> Tensor:
-    """Temperature, then top-k, top-p and min-p: everything cut is set to -inf."""
-    dev = logits.device
-    temp = torch.tensor([s.params.temperature for s in seqs], device=dev)[:, None]
-    logits = logits / temp
-    top_k = [s.params.top_k for s in seqs]
-    top_p = [s.params.top_p for s in seqs]
-    min_p = [s.params.min_p for s in seqs]
-    if any(top_k) or any(p < 1 for p in top_p):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        V = logits.shape[1]
-        rank = torch.arange(V, device=dev)
-        k = torch.tensor([min(k, V) or V for k in top_k], device=dev)[:, None]
-        cut = rank >= k
-        probs = sorted_logits.softmax(-1)
-        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-        cut |= (probs.cumsum(-1) - probs) >= torch.tensor(top_p, device=dev)[:, None]
-        sorted_logits[cut] = float("-inf")
-        logits = torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
-    if any(min_p):
-        probs = logits.softmax(-1)
-        floor = torch.tensor(min_p, device=dev)[:, None] * probs.max(-1, keepdim=True).values
-        logits = logits.masked_fill(probs < floor, float("-inf"))
+class Sampler:
+    def __call__(
+        self, logits: Tensor, requests: list[SamplerRequest]
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits (R, V) float32, one row per request -> chosen tokens and their logprobs.
+
+        Logprobs are those of the model's own distribution (before penalties and temperature),
+        as vLLM and OpenAI report them."""
+        penalized = apply_penalties(logits, requests)
+        tokens = penalized.argmax(-1)
+        sampled = [r for r, req in enumerate(requests) if not req.params.greedy]
+        if sampled:
+            rows = torch.tensor(sampled, device=logits.device)
+            tokens[rows] = _draw(penalized[rows], [requests[r] for r in sampled])
+        return tokens.tolist(), _logprobs(logits, tokens, requests)
+
+
+def apply_penalties(logits: Tensor, requests: list[SamplerRequest]) -> Tensor:
+    """vLLM's penalties: repetition over prompt and output (positive logits divided, negative
+    multiplied), presence and frequency over the output only; then logit_bias.
+
+    Returns `logits` itself when no request asks for any of them, else a penalized copy."""
+    params = [req.params for req in requests]
+    rep = [r for r, p in enumerate(params) if p.repetition_penalty != 1.0]
+    freq = [
+        r
+        for r, p in enumerate(params)
+        if (p.presence_penalty or p.frequency_penalty) and requests[r].output_token_ids
+    ]
+    bias = [r for r, p in enumerate(params) if p.logit_bias]
+    if not (rep or freq or bias):
+        return logits
+    dev, dtype, V = logits.device, logits.dtype, logits.shape[1]
+    logits = logits.clone()
+    if rep:
+        rows = torch.tensor(rep, device=dev)
+        all_ids = [requests[r].prompt_token_ids + requests[r].output_token_ids for r in rep]
+        ids = _padded(all_ids, V, dev)
+        seen = torch.zeros(len(rep), V + 1, dtype=torch.bool, device=dev).scatter_(1, ids, True)
+        penalty = torch.tensor([params[r].repetition_penalty for r in rep], device=dev)[:, None]
+        x = logits[rows]
+        scaled = torch.where(x > 0, x / penalty, x * penalty)
+        logits[rows] = torch.where(seen[:, :V], scaled, x)
+    if freq:
+        rows = torch.tensor(freq, device=dev)
+        ids = _padded([requests[r].output_token_ids for r in freq], V, dev)
+        counts = torch.zeros(len(freq), V + 1, dtype=dtype, device=dev)
+        counts = counts.scatter_add_(1, ids, torch.ones(ids.shape, dtype=dtype, device=dev))[:, :V]
+        f = torch.tensor([params[r].frequency_penalty for r in freq], dtype=dtype, device=dev)
+        p = torch.tensor([params[r].presence_penalty for r in freq], dtype=dtype, device=dev)
+        logits[rows] -= f[:, None] * counts + p[:, None] * (counts > 0)
+    if bias:
+        pairs = [(r, t, b) for r in bias for t, b in params[r].logit_bias.items()]
+        r_idx, t_idx, values = zip(*pairs, strict=True)
+        logits.index_put_(
+            (torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
+            torch.tensor(values, dtype=dtype, device=dev),
+            accumulate=True,
+        )
     return logits
 
 
-def _logprobs(raw_lp: Tensor, tokens: list[int], seqs: list[Sequence]) -> list:
-    out: list[TokenLogprob | None] = []
-    for r, (tok, seq) in enumerate(zip(tokens, seqs, strict=True)):
-        n = seq.params.logprobs
-        if n is None:
-            out.append(None)
-            continue
-        top = raw_lp[r].topk(n) if n else None
-        pairs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if n else []
-        out.append(TokenLogprob(tok, raw_lp[r, tok].item(), pairs))
+def _padded(token_lists: list[list[int]], V: int, device: torch.device) -> Tensor:
+    """Token lists as one (n, longest) tensor, padded with V: a column past the vocabulary
+    that the callers scatter into and then drop."""
+    width = max(len(ids) for ids in token_lists)
+    return torch.tensor(
+        [ids + [V] * (width - len(ids)) for ids in token_lists], dtype=torch.long, device=device
+    )
+
+
+def _draw(logits: Tensor, requests: list[SamplerRequest]) -> Tensor:
+    """One draw per row after temperature, min-p, top-k and top-p (vLLM's order)."""
+    params = [req.params for req in requests]
+    dev, V = logits.device, logits.shape[1]
+    # Greedy rows never get here, so no temperature is below _SAMPLING_EPS.
+    temp = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
+    x = logits / temp[:, None]
+    if any(p.min_p for p in params):
+        # p >= min_p * p_max  <=>  logit >= max logit + log(min_p); log(0) = -inf cuts nothing.
+        min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype, device=dev)
+        floor = x.max(-1, keepdim=True).values + min_p.log()[:, None]
+        x = x.masked_fill(x < floor, _NEG_INF)
+    if any(p.top_k for p in params) or any(p.top_p < 1 for p in params):
+        x = _top_k_top_p(x, params)
+    probs = x.softmax(-1)
+    # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) is a draw from p, and each
+    # row's noise comes from its own generator, so the batch never changes a draw.
+    noise = torch.stack([torch.empty(V).exponential_(generator=req.generator) for req in requests])
+    return (probs / noise.to(dev)).argmax(-1)
+
+
+def _top_k_top_p(x: Tensor, params: list[SamplingParams]) -> Tensor:
+    """Keep each row's top_k logits, then the smallest prefix of those whose renormalized mass
+    reaches top_p (always at least one token); the rest become -inf."""
+    dev, V = x.device, x.shape[1]
+    # min() first: a top_k past the vocabulary cuts nothing and would overflow a tensor.
+    k = torch.tensor([min(p.top_k, V) or V for p in params], device=dev)
+    # top_p = 1 keeps everything, even where rounding lifts the cumulative sum past 1.
+    top_p = torch.tensor([p.top_p if p.top_p < 1 else 2.0 for p in params], device=dev)
+    sorted_x, order = x.sort(-1, descending=True)
+    sorted_x = sorted_x.masked_fill(torch.arange(V, device=dev) >= k[:, None], _NEG_INF)
+    probs = sorted_x.softmax(-1)
+    sorted_x = sorted_x.masked_fill(probs.cumsum(-1) - probs >= top_p[:, None], _NEG_INF)
+    # `order` is a permutation, so the scatter writes every element.
+    return torch.empty_like(x).scatter_(1, order, sorted_x)
+
+
+def _logprobs(
+    logits: Tensor, tokens: Tensor, requests: list[SamplerRequest]
+) -> list[TokenLogprob | None]:
+    """The chosen token's logprob and the top-n, for the rows that asked, under the raw logits."""
+    out: list[TokenLogprob | None] = [None] * len(requests)
+    wanted = [r for r, req in enumerate(requests) if req.params.logprobs is not None]
+    if not wanted:
+        return out
+    rows = torch.tensor(wanted, device=logits.device)
+    lp = logits[rows].log_softmax(-1)
+    chosen = tokens[rows]
+    chosen_lp = lp.gather(1, chosen[:, None])[:, 0]
+    # One top-k for all rows (the largest n asked), each row then keeps its own n.
+    top = lp.topk(min(max(requests[r].params.logprobs for r in wanted), lp.shape[1]))
+    rows_top = zip(top.indices.tolist(), top.values.tolist(), strict=True)
+    for r, tok, tok_lp, (ids, lps) in zip(
+        wanted, chosen.tolist(), chosen_lp.tolist(), rows_top, strict=True
+    ):
+        n = requests[r].params.logprobs
+        out[r] = TokenLogprob(tok, tok_lp, list(zip(ids[:n], lps[:n], strict=True)))
     return out
-
-
-def sample(logits: Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits (R, V) float32, one row per sequence -> chosen tokens and their logprobs.
-
-    Logprobs are those of the model's own distribution (before penalties and temperature),
-    as vLLM and OpenAI report them."""
-    raw_lp = logits.log_softmax(-1) if any(s.params.logprobs is not None for s in seqs) else None
-    logits = logits.clone()
-    _apply_penalties(logits, seqs)
-    tokens = logits.argmax(-1)
-    sampled = [r for r, s in enumerate(seqs) if not s.params.greedy]
-    if sampled:
-        rows = torch.tensor(sampled, device=logits.device)
-        probs = _filter(logits[rows], [seqs[r] for r in sampled]).softmax(-1)
-        # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) is a draw from p, and
-        # each row's noise comes from its own generator, so the batch never changes a draw.
-        noise = torch.stack(
-            [torch.empty(probs.shape[1]).exponential_(generator=seqs[r].generator) for r in sampled]
-        ).to(probs.device)
-        tokens[rows] = (probs / noise).argmax(-1)
-    token_list = tokens.tolist()
-    lps = _logprobs(raw_lp, token_list, seqs) if raw_lp is not None else [None] * len(seqs)
-    return token_list, lps

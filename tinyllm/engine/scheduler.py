@@ -1,78 +1,101 @@
-"""Who runs next: a FIFO waiting queue, running slots, and the KV cache's block budget."""
+"""Who runs next, and how many tokens each: one token budget for decodes and prefill chunks.
+
+Each step: running requests first, oldest first, each its next token (a decode) or the next
+chunk of a prompt still being prefilled; then waiting requests, oldest first, while the budget,
+`max_num_seqs` and free blocks allow, the last one's prompt chunked to fit what is left. Every
+block is allocated here, before the forward pass. When a running request cannot get a block,
+the newest running request is preempted: its blocks are freed, `num_computed_tokens` goes back
+to 0 and it waits at the front of the queue to be recomputed (the founding design's policy).
+"""
 
 from collections import deque
+from dataclasses import dataclass, field
 
-from tinyllm.engine.sequence import Sequence, Status
+from tinyllm.engine.kv_cache_manager import KVCacheManager
+from tinyllm.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
+    preempted: list[Request] = field(default_factory=list)
+    rejected: list[Request] = field(default_factory=list)  # can never fit the pool
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
 
 
 class Scheduler:
-    def __init__(self, cache, max_num_batched_tokens: int):
-        self.cache = cache
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
-        self.running: dict[int, Sequence] = {}  # slot -> sequence
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv = kv
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the newest is last
         self.num_preemptions = 0
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule_prefill(self) -> tuple[list[Sequence], list[Sequence]]:
-        """Admit waiting sequences, oldest first, while slots, blocks and the prefill budget
-        allow. Returns (admitted, rejected): a rejected sequence can never fit the cache."""
-        admitted: list[Sequence] = []
-        rejected: list[Sequence] = []
-        while self.waiting:
-            seq = self.waiting[0]
-            n = seq.num_tokens
-            if not self.cache.fits_ever(n):
-                self.waiting.popleft()
-                rejected.append(seq)
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate(request, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is RequestStatus.WAITING:
+                break  # it was the newest: nothing after it is left to schedule
+            out.scheduled.append((request, n))
+            budget -= n
+            i += 1
+        # After a preemption there is no room to spare: admitting now would only preempt again.
+        while self.waiting and budget > 0 and not out.preempted:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            request = self.waiting[0]
+            if not self.kv.fits_ever(request.num_tokens + 1):
+                out.rejected.append(self.waiting.popleft())
                 continue
-            lengths = [s.num_tokens for s in admitted] + [n]
-            if admitted and sum(lengths) > self.max_num_batched_tokens:
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            # Room for the chunk and one token more (the first decode token once the prompt
+            # is done), so an admitted request is not preempted by its own next step.
+            if not self.kv.can_hold(request, request.num_computed_tokens + n + 1):
                 break
-            if not self.cache.can_admit(lengths):
-                break
-            admitted.append(self.waiting.popleft())
-        return admitted, rejected
+            self.kv.allocate(request, n)
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append((request, n))
+            budget -= n
+        return out
 
-    def start(self, seqs: list[Sequence], slots: list[int]) -> None:
-        for seq, slot in zip(seqs, slots, strict=True):
-            seq.slot, seq.status = slot, Status.RUNNING
-            self.running[slot] = seq
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        # Victims come newest first, so each one in front leaves the oldest at the head.
+        self.waiting.appendleft(request)
 
-    def preempt_for_decode(self) -> list[Sequence]:
-        """Free blocks for the next decode step; victims go back to the front of the queue,
-        the oldest admission first, to be recomputed from prompt + tokens so far."""
-        victims = [self.running.pop(slot) for slot in self.cache.reserve_step()]
-        for seq in victims:  # newest first, so appendleft leaves the oldest in front
-            seq.slot, seq.status = None, Status.WAITING
-            seq.num_preemptions += 1
-            self.waiting.appendleft(seq)
-        self.num_preemptions += len(victims)
-        return victims
-
-    def decode_batch(self) -> list[Sequence]:
-        """Running sequences in the cache's row order for the next decode step."""
-        return [self.running[s] for s in self.cache.active_slots()]
-
-    def release(self, seq: Sequence) -> None:
-        """Give back a finished or aborted sequence's slot and blocks."""
-        if seq.slot is not None:
-            self.cache.release(seq.slot)
-            del self.running[seq.slot]
-            seq.slot = None
-
-    def abort(self, request_id: str) -> Sequence | None:
-        for seq in self.waiting:
-            if seq.request_id == request_id:
-                self.waiting.remove(seq)
-                return seq
-        for seq in self.running.values():
-            if seq.request_id == request_id:
-                self.release(seq)
-                return seq
-        return None
+    def finish(self, request: Request, reason: str | None = None) -> None:
+        """Take a request out (finished, aborted or refused) and give back its blocks."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING and request in self.waiting:
+            self.waiting.remove(request)
+        if request.block_ids:
+            self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        if reason is not None:
+            request.finish_reason = reason

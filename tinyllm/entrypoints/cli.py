@@ -1,11 +1,12 @@
 """`tinyllm generate | chat | serve | bench`: the command line."""
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
 
-from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from tinyllm.entrypoints.args import add_engine_args, build_llm
 
 
@@ -30,20 +31,23 @@ def _params(args: argparse.Namespace) -> SamplingParams:
 def stream(llm, prompt_ids: list[int], params: SamplingParams, out=sys.stdout):
     """Print the completion as it is generated; returns the final RequestOutput."""
     engine = llm.engine
+    params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
     rid = engine.add_request(None, params, prompt_token_ids=prompt_ids)
-    shown, final = 0, None
+    text, token_ids, final = [], [], None
     while final is None:
         for o in engine.step():
             if o.request_id != rid:
                 continue
-            out.write(o.text[shown:])
+            out.write(o.text)
             out.flush()
-            shown = len(o.text)
+            text.append(o.text)
+            token_ids += o.token_ids
             if o.finished:
                 final = o
     if final.error:
         raise ValueError(final.error)
-    return final
+    completion = dataclasses.replace(final.outputs[0], text="".join(text), token_ids=token_ids)
+    return dataclasses.replace(final, outputs=[completion])
 
 
 def _encode(llm, text: str, raw: bool) -> list[int]:

@@ -1,13 +1,15 @@
 """The offline Python API: `LLM(model).generate(prompts, params)`, as vLLM users know it."""
 
+import dataclasses
 import time
 
 import torch
 from tqdm import tqdm
 
-from tinyllm.engine.engine import EngineConfig, LLMEngine
+from tinyllm.engine.config import EngineConfig
+from tinyllm.engine.engine import LLMEngine
 from tinyllm.engine.outputs import RequestOutput
-from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from tinyllm.loaders.source import load_model
 from tinyllm.model.llama import Transformer
 
@@ -85,15 +87,27 @@ class LLM:
         engine = self.engine
         for (_, ids), p in zip(prompts, params, strict=True):  # refuse before anything starts
             engine.validate_prompt(ids, p)
-        request_ids = [
-            engine.add_request(text, p, prompt_token_ids=ids)
-            for (text, ids), p in zip(prompts, params, strict=True)
-        ]
-        return self._run(request_ids, use_tqdm)
+        # n > 1: n engine requests per prompt, gathered back into one output. With a seed,
+        # each completion gets its own, so they are not n copies.
+        children: list[list[str]] = []
+        for (text, ids), p in zip(prompts, params, strict=True):
+            one = dataclasses.replace(p, n=1, output_kind=RequestOutputKind.FINAL_ONLY)
+            children.append(
+                [
+                    engine.add_request(
+                        text,
+                        one if p.seed is None else dataclasses.replace(one, seed=p.seed + i),
+                        prompt_token_ids=ids,
+                    )
+                    for i in range(p.n)
+                ]
+            )
+        done = self._run(sum(len(c) for c in children), use_tqdm)
+        return [_merge([done[r] for r in ids]) for ids in children]
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="requests", unit="req", disable=not use_tqdm)
+        bar = tqdm(total=total, desc="requests", unit="req", disable=not use_tqdm)
         start, tokens0 = time.perf_counter(), self.engine.generation_tokens
         while self.engine.has_unfinished():
             for out in self.engine.step():
@@ -103,4 +117,12 @@ class LLM:
             rate = (self.engine.generation_tokens - tokens0) / (time.perf_counter() - start)
             bar.set_postfix(tok_s=f"{rate:.1f}")
         bar.close()
-        return [done[r] for r in request_ids]
+        return done
+
+
+def _merge(outputs: list[RequestOutput]) -> RequestOutput:
+    """One prompt's n completions as one output, numbered 0..n-1."""
+    first = outputs[0]
+    completions = [dataclasses.replace(o.outputs[0], index=i) for i, o in enumerate(outputs)]
+    errors = [o.error for o in outputs if o.error]
+    return dataclasses.replace(first, outputs=completions, error=errors[0] if errors else None)

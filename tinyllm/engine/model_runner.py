@@ -1,0 +1,98 @@
+"""Turns the scheduler's output into one flat batch, runs the model once, samples.
+
+The runner owns the K/V tensors: per layer a pool of `num_blocks + 1` blocks, token-major
+(block, offset, kv head, dim), the last block scratch (padded block-table entries point there).
+Each step it builds, once, what every layer's attention reads: token ids, positions, the slot
+each new K/V goes to, block tables, query start offsets and context lengths. Decode rows go
+first, so a backend can treat them as one batch of single-token queries.
+"""
+
+import torch
+from torch import Tensor
+
+from tinyllm.engine.outputs import TokenLogprob
+from tinyllm.engine.request import Request
+from tinyllm.engine.sampler import Sampler
+from tinyllm.model.attention import AttentionBackend, AttentionMetadata, ForwardContext
+from tinyllm.model.llama import Transformer
+
+
+def kv_bytes_per_token(model: Transformer) -> int:
+    c, w = model.config, model.lm_head.weight
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * w.element_size()
+
+
+class ModelRunner:
+    def __init__(
+        self, model: Transformer, num_blocks: int, block_size: int, backend: AttentionBackend
+    ):
+        self.model, self.backend, self.block_size = model, backend, block_size
+        c, w = model.config, model.lm_head.weight
+        self.device = w.device
+        self.scratch = num_blocks
+        shape = (num_blocks + 1, block_size, c.num_kv_heads, c.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=w.dtype, device=self.device),
+                torch.zeros(shape, dtype=w.dtype, device=self.device),
+            )
+            for _ in range(c.num_layers)
+        ]
+        self.sampler = Sampler()
+
+    def execute(
+        self, scheduled: list[tuple[Request, int]]
+    ) -> list[tuple[Request, int, TokenLogprob | None]]:
+        """Run each request's next `n` tokens; returns (request, token, logprob) for those whose
+        tokens are now all computed (a finished prompt or a decode), which sample one more.
+        `num_computed_tokens` is left for the caller to advance."""
+        sampling, logits = self.compute_logits(scheduled)
+        if not sampling:
+            return []
+        tokens, logprobs = self.sampler(logits, sampling)
+        return list(zip(sampling, tokens, logprobs, strict=True))
+
+    def compute_logits(self, scheduled: list[tuple[Request, int]]) -> tuple[list[Request], Tensor]:
+        """One forward pass; the requests that sample and their last position's logits."""
+        rows = sorted(scheduled, key=lambda rn: rn[1] != 1)  # decodes first, order kept
+        bs = self.block_size
+        ids, positions, slots, tables, seq_lens, query_lens = [], [], [], [], [], []
+        sampling, last = [], []
+        for req, n in rows:
+            start = req.num_computed_tokens
+            end = start + n
+            ids += req.all_token_ids[start:end]
+            positions += range(start, end)
+            blocks = req.block_ids
+            slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+            tables.append(blocks)
+            seq_lens.append(end)
+            query_lens.append(n)
+            if end == req.num_tokens:
+                sampling.append(req)
+                last.append(len(ids) - 1)
+        width = max(len(t) for t in tables)
+        padded = [t + [self.scratch] * (width - len(t)) for t in tables]
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            block_tables=self._tensor(padded),
+            seq_lens=self._tensor(seq_lens),
+            query_start_loc=self._tensor([0, *_cumsum(query_lens)]),
+            num_decodes=sum(1 for n in query_lens if n == 1),
+            seq_lens_cpu=seq_lens,
+            query_lens_cpu=query_lens,
+        )
+        ctx = ForwardContext(meta, self.backend, self.kv_caches)
+        hidden = self.model(self._tensor(ids), self._tensor(positions), ctx)
+        return sampling, self.model.logits(hidden[self._tensor(last)])
+
+    def _tensor(self, values: list) -> Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def _cumsum(values: list[int]) -> list[int]:
+    out, total = [], 0
+    for v in values:
+        total += v
+        out.append(total)
+    return out

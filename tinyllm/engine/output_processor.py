@@ -1,0 +1,148 @@
+"""From sampled token ids to what users see: text, stop strings, finish reasons, outputs.
+
+Apart from request state on purpose: the engine core deals in token ids only. Per step only
+what changed is worked on: each new token is detokenized incrementally, a stop string is
+searched for only around the new text, and an output holds, as its request's
+`output_kind` asks, only the new part (DELTA, for streaming), everything so far (CUMULATIVE),
+or everything once at the end (FINAL_ONLY, for `LLM.generate`).
+"""
+
+from dataclasses import dataclass
+
+from tinyllm.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
+from tinyllm.text.detokenizer import IncrementalDetokenizer
+from tinyllm.text.tokenizer import Tokenizer
+
+
+@dataclass
+class TokenUpdate:
+    """What the engine core reports for one request after a step."""
+
+    request_id: str
+    token: int | None  # None: no new token (finished without one: aborted or refused)
+    logprob: TokenLogprob | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    error: str | None = None
+
+
+class _RequestState:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+    ):
+        self.request_id, self.prompt, self.params = request_id, prompt, params
+        self.prompt_token_ids = prompt_token_ids
+        self.kind = params.output_kind
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self.text = ""  # everything detokenized (a possible stop string's start included)
+        self.sent_tokens = self.sent_chars = 0  # what DELTA outputs have handed out
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.error: str | None = None
+
+    def add(self, token: int, logprob: TokenLogprob | None) -> bool:
+        """Take a token; True if a stop string ended the request."""
+        self.token_ids.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(logprob)
+        old = len(self.text)
+        self.text += self.detok.add(token)
+        for s in self.params.stop:  # only where the new text could complete one
+            i = self.text.find(s, max(0, old - len(s) + 1))
+            if i >= 0:
+                self.text = self.text[:i]
+                self.finish("stop", s, flush=False)
+                return True
+        return False
+
+    def finish(self, reason: str, stop_reason=None, error: str | None = None, flush=True):
+        if flush:
+            self.text += self.detok.flush()
+        self.finish_reason, self.stop_reason, self.error = reason, stop_reason, error
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def visible_text(self) -> str:
+        """The text minus any tail that could still grow into a stop string."""
+        if self.finished:
+            return self.text
+        hold = 0
+        for s in self.params.stop:
+            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
+                if self.text.endswith(s[:k]):
+                    hold = k
+                    break
+        return self.text[: len(self.text) - hold]
+
+    def output(self) -> RequestOutput | None:
+        if self.kind is RequestOutputKind.FINAL_ONLY and not self.finished:
+            return None
+        text = self.visible_text()
+        if self.kind is RequestOutputKind.DELTA:
+            new_text, new_tokens = text[self.sent_chars :], self.token_ids[self.sent_tokens :]
+            logprobs = self.logprobs[self.sent_tokens :] if self.logprobs is not None else None
+            self.sent_chars, self.sent_tokens = len(text), len(self.token_ids)
+            text, token_ids = new_text, new_tokens
+        else:
+            token_ids = list(self.token_ids)
+            logprobs = list(self.logprobs) if self.logprobs is not None else None
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=token_ids,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=logprobs,
+        )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[completion],
+            finished=self.finished,
+            error=self.error,
+        )
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._states: dict[str, _RequestState] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
+        self._states[request_id] = _RequestState(
+            request_id, prompt, prompt_token_ids, params, self.tokenizer
+        )
+
+    def process(self, updates: list[TokenUpdate]) -> tuple[list[RequestOutput], list[str]]:
+        """The outputs for this step's updates, and the requests a stop string ended (which
+        the engine core must now free)."""
+        outputs, stopped = [], []
+        for u in updates:
+            state = self._states[u.request_id]
+            if u.token is not None and state.add(u.token, u.logprob):
+                stopped.append(u.request_id)
+            elif u.finish_reason is not None:
+                state.finish(u.finish_reason, u.stop_reason, u.error)
+            if state.finished:
+                del self._states[u.request_id]
+            out = state.output()
+            if out is not None:
+                outputs.append(out)
+        return outputs, stopped

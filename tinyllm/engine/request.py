@@ -1,0 +1,75 @@
+"""A request as the engine core sees it: token ids, how many are computed, its blocks."""
+
+import enum
+
+import torch
+
+from tinyllm.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """Prompt and generated ids in one list; `num_computed_tokens` of them have K/V in the
+    cache. Each step runs some of the rest: a chunk of the prompt, or the last sampled token.
+    Preemption frees the blocks and sets `num_computed_tokens` back to 0 (recompute)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        eos_token_ids: list[int],
+        seed: int,
+        arrival_time: float,
+    ):
+        self.request_id, self.params = request_id, params
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.max_tokens = max_tokens
+        self.num_computed_tokens = 0
+        self.num_ever_computed = 0  # high-water mark: what a recompute does again
+        self.block_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.arrival_time = arrival_time
+        self._stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self._stop_ids.update(eos_token_ids)
+        # Each request draws from its own generator, so a seed gives the same tokens whatever
+        # else shares the batch.
+        self.generator = torch.Generator().manual_seed(
+            params.seed if params.seed is not None else seed
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token: int, max_model_len: int) -> None:
+        """Record a sampled token; set the finish reason if it ends the request."""
+        self.all_token_ids.append(token)
+        if token in self._stop_ids:
+            self.finish_reason, self.stop_reason = "stop", token
+        elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.finish_reason = "length"
