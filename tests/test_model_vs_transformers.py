@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.greedy import assert_greedy_close, top_dicts
-from tinyllm.engine.kv_cache import KVCache
+from tests.model_runs import prompt_logits
 from tinyllm.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -79,17 +79,15 @@ def reference(hf_model, prompts):
     return [_hf_greedy(hf_model, p) for p in prompts]
 
 
-def test_last_position_logits_match_in_a_padded_batch(default_llm, prompts, reference):
-    model = default_llm.engine.model
-    c = model.config
-    L = max(map(len, prompts))
-    pads = [L - len(p) for p in prompts]
-    ids = torch.tensor([[0] * pad + p for pad, p in zip(pads, prompts, strict=True)])
-    cache = KVCache(c.num_layers, pads, c.num_kv_heads, c.head_dim, L, torch.float32, "cpu")
-    logits = model.logits(model(ids, cache)[:, -1])
+def test_last_position_logits_match_in_one_flat_batch(default_llm, prompts, reference):
+    logits = prompt_logits(default_llm.engine.model, prompts, block_size=16)
     for i, (_, _, ref_logits) in enumerate(reference):
         torch.testing.assert_close(
-            logits[i], ref_logits, atol=LOGIT_ATOL, rtol=0, msg=lambda m, i=i: f"prompt {i}: {m}"
+            logits[i][-1],
+            ref_logits,
+            atol=LOGIT_ATOL,
+            rtol=0,
+            msg=lambda m, i=i: f"prompt {i}: {m}",
         )
 
 

@@ -7,6 +7,8 @@ each new K/V goes to, block tables, query start offsets and context lengths. Dec
 first, so a backend can treat them as one batch of single-token queries.
 """
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -15,6 +17,16 @@ from tinyllm.engine.request import Request
 from tinyllm.engine.sampler import Sampler
 from tinyllm.model.attention import AttentionBackend, AttentionMetadata, ForwardContext
 from tinyllm.model.llama import Transformer
+
+
+@dataclass
+class StepBatch:
+    rows: list[tuple[Request, int]]  # the scheduled requests in batch order (decodes first)
+    input_ids: Tensor  # (N,)
+    positions: Tensor  # (N,)
+    ctx: ForwardContext
+    sampling: list[Request]  # the rows whose tokens are all computed after this step
+    logits_indices: Tensor  # their last token's index in the batch
 
 
 def kv_bytes_per_token(model: Transformer) -> int:
@@ -54,6 +66,12 @@ class ModelRunner:
 
     def compute_logits(self, scheduled: list[tuple[Request, int]]) -> tuple[list[Request], Tensor]:
         """One forward pass; the requests that sample and their last position's logits."""
+        batch = self.prepare_inputs(scheduled)
+        hidden = self.model(batch.input_ids, batch.positions, batch.ctx)
+        return batch.sampling, self.model.logits(hidden[batch.logits_indices])
+
+    def prepare_inputs(self, scheduled: list[tuple[Request, int]]) -> StepBatch:
+        """The flat batch and the metadata every layer reads, built once per step."""
         rows = sorted(scheduled, key=lambda rn: rn[1] != 1)  # decodes first, order kept
         bs = self.block_size
         ids, positions, slots, tables, seq_lens, query_lens = [], [], [], [], [], []
@@ -82,9 +100,14 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             query_lens_cpu=query_lens,
         )
-        ctx = ForwardContext(meta, self.backend, self.kv_caches)
-        hidden = self.model(self._tensor(ids), self._tensor(positions), ctx)
-        return sampling, self.model.logits(hidden[self._tensor(last)])
+        return StepBatch(
+            rows=rows,
+            input_ids=self._tensor(ids),
+            positions=self._tensor(positions),
+            ctx=ForwardContext(meta, self.backend, self.kv_caches),
+            sampling=sampling,
+            logits_indices=self._tensor(last),
+        )
 
     def _tensor(self, values: list) -> Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

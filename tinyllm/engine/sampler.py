@@ -3,6 +3,7 @@
 Per-row settings become tensors on the logits' device, so the same code runs on CPU and CUDA.
 The only CPU tensors are each request's random draws, moved to the device before use."""
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -15,17 +16,22 @@ _NEG_INF = float("-inf")
 
 
 class SamplerRequest(Protocol):
-    """What the sampler reads from a request (the engine's Request has these attributes)."""
+    """What the sampler reads from a request (the engine's Request has these attributes).
+    Read-only properties, so that a class computing one (output_token_ids) also fits."""
 
-    params: SamplingParams
-    generator: torch.Generator  # CPU, seeded per request
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # generated so far
+    @property
+    def params(self) -> SamplingParams: ...
+    @property
+    def generator(self) -> torch.Generator: ...  # CPU, seeded per request
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+    @property
+    def output_token_ids(self) -> list[int]: ...  # generated so far
 
 
 class Sampler:
     def __call__(
-        self, logits: Tensor, requests: list[SamplerRequest]
+        self, logits: Tensor, requests: Sequence[SamplerRequest]
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits (R, V) float32, one row per request -> chosen tokens and their logprobs.
 
@@ -40,7 +46,7 @@ class Sampler:
         return tokens.tolist(), _logprobs(logits, tokens, requests)
 
 
-def apply_penalties(logits: Tensor, requests: list[SamplerRequest]) -> Tensor:
+def apply_penalties(logits: Tensor, requests: Sequence[SamplerRequest]) -> Tensor:
     """vLLM's penalties: repetition over prompt and output (positive logits divided, negative
     multiplied), presence and frequency over the output only; then logit_bias.
 
@@ -62,9 +68,9 @@ def apply_penalties(logits: Tensor, requests: list[SamplerRequest]) -> Tensor:
         all_ids = [requests[r].prompt_token_ids + requests[r].output_token_ids for r in rep]
         ids = _padded(all_ids, V, dev)
         seen = torch.zeros(len(rep), V + 1, dtype=torch.bool, device=dev).scatter_(1, ids, True)
-        penalty = torch.tensor([params[r].repetition_penalty for r in rep], device=dev)[:, None]
+        rp = torch.tensor([params[r].repetition_penalty for r in rep], dtype=dtype, device=dev)
         x = logits[rows]
-        scaled = torch.where(x > 0, x / penalty, x * penalty)
+        scaled = torch.where(x > 0, x / rp[:, None], x * rp[:, None])
         logits[rows] = torch.where(seen[:, :V], scaled, x)
     if freq:
         rows = torch.tensor(freq, device=dev)
@@ -94,7 +100,7 @@ def _padded(token_lists: list[list[int]], V: int, device: torch.device) -> Tenso
     )
 
 
-def _draw(logits: Tensor, requests: list[SamplerRequest]) -> Tensor:
+def _draw(logits: Tensor, requests: Sequence[SamplerRequest]) -> Tensor:
     """One draw per row after temperature, min-p, top-k and top-p (vLLM's order)."""
     params = [req.params for req in requests]
     dev, V = logits.device, logits.shape[1]
@@ -132,7 +138,7 @@ def _top_k_top_p(x: Tensor, params: list[SamplingParams]) -> Tensor:
 
 
 def _logprobs(
-    logits: Tensor, tokens: Tensor, requests: list[SamplerRequest]
+    logits: Tensor, tokens: Tensor, requests: Sequence[SamplerRequest]
 ) -> list[TokenLogprob | None]:
     """The chosen token's logprob and the top-n, for the rows that asked, under the raw logits."""
     out: list[TokenLogprob | None] = [None] * len(requests)

@@ -1,0 +1,32 @@
+"""Running a model directly on whole prompts through the model runner, for logit tests."""
+
+import math
+
+import torch
+
+from tinyllm.engine.kv_cache_manager import KVCacheManager
+from tinyllm.engine.model_runner import ModelRunner
+from tinyllm.engine.request import Request
+from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.model.attention.reference import ReferenceBackend
+from tinyllm.model.llama import Transformer
+
+
+def prompt_logits(model: Transformer, prompts: list[list[int]], block_size: int = 4):
+    """Each prompt's logits at every position, (len, vocab), all prompts in one flat batch."""
+    kv = KVCacheManager(sum(math.ceil(len(p) / block_size) for p in prompts), block_size)
+    runner = ModelRunner(model, kv.num_blocks, block_size, ReferenceBackend())
+    requests = [
+        Request(str(i), p, SamplingParams(max_tokens=1), 1, [], seed=0, arrival_time=0.0)
+        for i, p in enumerate(prompts)
+    ]
+    for r in requests:
+        assert kv.allocate(r, r.num_tokens)
+    batch = runner.prepare_inputs([(r, r.num_tokens) for r in requests])
+    with torch.inference_mode():
+        logits = model.logits(model(batch.input_ids, batch.positions, batch.ctx))
+    by_id, start = {}, 0
+    for r, n in batch.rows:
+        by_id[r.request_id] = logits[start : start + n]
+        start += n
+    return [by_id[str(i)] for i in range(len(prompts))]
