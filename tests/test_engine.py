@@ -1,13 +1,14 @@
 """The continuous-batching engine on the default model: same greedy tokens as running each
-prompt alone, with the paged and the slot cache, all at once or arriving over time, and
-through preemption."""
+prompt alone, with the paged and the slot cache, all at once or arriving over time, with
+prompts prefilled in chunks alongside decodes, and through preemption."""
 
 import random
 
 import pytest
 
 from tests.greedy import assert_greedy_close, top_dicts
-from tinyllm.engine.engine import EngineConfig, LLMEngine
+from tinyllm.engine.config import EngineConfig
+from tinyllm.engine.engine import LLMEngine
 from tinyllm.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -46,9 +47,24 @@ def _engine(llm, **kw) -> LLMEngine:
 
 
 def _run(engine: LLMEngine, prompts, params, per_step: int | None = None) -> dict:
-    """Submit everything (or `per_step` new requests per step); returns id -> final output."""
+    """Submit everything (or `per_step` new requests per step); returns id -> final output.
+    Records on the engine the most requests running at once and whether any step mixed
+    decode tokens with prefill chunks."""
     pending = list(enumerate(zip(prompts, params, strict=True)))
     done, max_running = {}, 0
+    engine.mixed_steps = engine.chunked_prompts = 0
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        kinds = {r.num_computed_tokens < r.num_prompt_tokens for r, _ in out.scheduled}
+        engine.mixed_steps += kinds == {True, False}
+        engine.chunked_prompts += sum(
+            0 < r.num_computed_tokens < r.num_prompt_tokens for r, _ in out.scheduled
+        )
+        return out
+
+    engine.scheduler.schedule = spy
     while pending or engine.has_unfinished():
         take = len(pending) if per_step is None else per_step
         for i, (p, sp) in pending[:take]:
@@ -86,14 +102,26 @@ def _assert_same(alone, done, label):
         )
 
 
-@pytest.mark.parametrize("kv_cache", ["paged", "slot"])
+@pytest.mark.parametrize(
+    ("kv_cache", "budget"), [("paged", 512), ("paged", 32), ("paged", 24), ("slot", 512)]
+)
 @pytest.mark.parametrize("per_step", [None, 3])
-def test_batched_equals_alone(default_llm, workload, alone, kv_cache, per_step):
-    engine = _engine(default_llm, kv_cache=kv_cache, max_num_seqs=16, max_model_len=1024)
+def test_batched_equals_alone(default_llm, workload, alone, kv_cache, budget, per_step):
+    """Budget 32: 300-token prompts take ten chunks, each chunk ending on a block boundary;
+    budget 24: chunks end inside blocks. Either way steps mix decodes and prefill chunks."""
+    engine = _engine(
+        default_llm,
+        kv_cache=kv_cache,
+        max_num_seqs=16,
+        max_model_len=1024,
+        max_num_batched_tokens=budget,
+    )
     done = _run(engine, *workload, per_step=per_step)
-    _assert_same(alone, done, f"{kv_cache} per_step={per_step}")
+    _assert_same(alone, done, f"{kv_cache} budget={budget} per_step={per_step}")
     assert engine.max_running > 1
     assert engine.stats().kv_blocks_used == 0
+    if budget < 300:
+        assert engine.chunked_prompts > 0 and engine.mixed_steps > 0
 
 
 def test_preemption_reproduces_outputs(default_llm, workload, alone):
@@ -109,7 +137,7 @@ def test_preemption_reproduces_outputs(default_llm, workload, alone):
     done = _run(engine, prompts, params)
     stats = engine.stats()
     assert stats.num_preemptions > 0 and stats.recomputed_tokens > 40 * stats.num_preemptions
-    assert engine.cache.alloc.num_used == 0 and engine.cache.alloc.peak_used == 12
+    assert engine.kv.pool.num_used == 0 and engine.kv.pool.peak_used == 12
     for i, r in ref.items():
         assert len(done[i].token_ids) == 48
         assert_greedy_close(
@@ -128,7 +156,7 @@ def test_request_that_never_fits_fails_alone(default_llm):
     assert done[0].finish_reason == "error"
     assert "64" in done[0].error and "101" in done[0].error
     assert [done[i].finish_reason for i in (1, 2)] == ["length", "length"]
-    assert len(done[1].token_ids) == 4 and engine.cache.alloc.num_used == 0
+    assert len(done[1].token_ids) == 4 and engine.kv.pool.num_used == 0
 
 
 def test_prompt_longer_than_context_is_refused(default_llm):
@@ -162,10 +190,10 @@ def test_abort_frees_everything(default_llm):
     for i in range(4):
         engine.add_request(None, params, request_id=f"r{i}", prompt_token_ids=[100 + i] * 30)
     engine.step()
-    assert engine.cache.alloc.num_used > 0
+    assert engine.kv.pool.num_used > 0
     out = engine.abort("r1")
     assert out.finish_reason == "abort" and out.finished
     for i in (0, 2, 3):
         engine.abort(f"r{i}")
-    assert engine.cache.alloc.num_used == 0 and not engine.has_unfinished()
+    assert engine.kv.pool.num_used == 0 and not engine.has_unfinished()
     assert engine.abort("r1") is None

@@ -4,46 +4,27 @@ A tiny random model keeps each example fast; what is checked is accounting, not 
 owned twice, none leaked, every request ends, and everything is given back."""
 
 import pytest
-import tokenizers
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tinyllm.engine.engine import EngineConfig, LLMEngine
-from tinyllm.engine.paged_kv_cache import PagedKVCache
+from tests.conftest import TINY_MAX_LEN, TINY_VOCAB
+from tinyllm.engine.config import EngineConfig
+from tinyllm.engine.engine import LLMEngine
 from tinyllm.engine.sampling_params import SamplingParams
-from tinyllm.model.config import ModelConfig
-from tinyllm.model.llama import Transformer
-from tinyllm.text.tokenizer import Tokenizer
 
-VOCAB = 64
-MAX_LEN = 48
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    torch.manual_seed(0)
-    cfg = ModelConfig("llama", VOCAB, 16, 32, 1, 2, 1, 8, MAX_LEN)
-    model = Transformer(cfg)
-    model.load_weights(dict(model.state_dict()))
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    return model.eval(), Tokenizer(backend, bos_token_id=None, eos_token_ids=[1])
+VOCAB, MAX_LEN = TINY_VOCAB, TINY_MAX_LEN
 
 
 def _check(engine: LLMEngine) -> None:
-    cache, sched = engine.cache, engine.scheduler
-    assert sorted(sched.running) == cache.active_slots()
-    assert all(seq.slot == slot for slot, seq in sched.running.items())
-    if isinstance(cache, PagedKVCache):
-        owned = [b for s in cache.active_slots() for b in cache.tables[s]]
-        assert len(owned) == len(set(owned)), "a block is owned by two live sequences"
-        assert len(owned) == cache.alloc.num_used, "a block leaked"
-        for s in cache.active_slots():  # every block a sequence can read is one it owns
-            readable = cache._table_dev[s].tolist()[: len(cache.tables[s])]
-            assert readable == cache.tables[s]
-            assert len(cache.tables[s]) * cache.bs >= cache.lens[s]
+    pool, sched = engine.kv.pool, engine.scheduler
+    owned = [b for r in sched.running for b in r.block_ids]
+    assert len(owned) == len(set(owned)), "a block is owned by two live requests"
+    assert len(owned) == pool.num_used, "a block leaked"
+    assert all(pool.ref_cnt[b] == 1 for b in owned)
+    assert not any(r.block_ids for r in sched.waiting), "a waiting request holds blocks"
+    for r in sched.running:  # every computed token has a block
+        assert len(r.block_ids) * engine.kv.block_size >= r.num_computed_tokens
+    assert set(engine.requests) == {r.request_id for r in [*sched.running, *sched.waiting]}
 
 
 request = st.tuples(
@@ -62,10 +43,11 @@ request = st.tuples(
     num_blocks=st.integers(1, 12),
     block_size=st.sampled_from([1, 2, 4, 8]),
     max_num_seqs=st.integers(1, 4),
+    budget=st.integers(1, 64),
     temperature=st.sampled_from([0.0, 1.0]),
 )
 def test_random_workload_accounts_for_everything(
-    tiny, requests, kv_cache, num_blocks, block_size, max_num_seqs, temperature
+    tiny, requests, kv_cache, num_blocks, block_size, max_num_seqs, budget, temperature
 ):
     model, tok = tiny
     engine = LLMEngine(
@@ -76,6 +58,7 @@ def test_random_workload_accounts_for_everything(
             num_blocks=num_blocks,
             block_size=block_size,
             max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
             kv_cache_memory=MAX_LEN * 64 * max_num_seqs,
             seed=1,
         ),
@@ -107,13 +90,11 @@ def test_random_workload_accounts_for_everything(
             break
     assert not engine.has_unfinished(), "the engine stopped making progress"
     assert sorted(finished, key=int) == [str(i) for i in range(len(requests))]
-    assert engine.cache.used_tokens() == 0 and not engine.cache.active_slots()
-    if kv_cache == "paged":
-        assert engine.cache.alloc.num_used == 0
+    assert engine.kv.pool.num_used == 0 and not any(engine.kv.pool.ref_cnt)
     for i, (n, max_tokens, *_, ignore_eos) in enumerate(requests):
         out = finished[str(i)]
         if out.finish_reason == "error":  # the prompt, or a lone sequence, outgrew the pool
-            assert not engine.cache.fits_ever(n + len(out.token_ids)), out.error
+            assert not engine.kv.fits_ever(n + len(out.token_ids) + 1), out.error
         elif out.finish_reason == "length":
             assert len(out.token_ids) == max_tokens or n + len(out.token_ids) == MAX_LEN
         elif out.finish_reason == "stop":

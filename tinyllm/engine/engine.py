@@ -66,11 +66,10 @@ def build_kv_cache_manager(model: Transformer, cfg: EngineConfig, max_len: int) 
     )
     if tokens < max_len:
         log.warning(
-            "the KV cache holds %d tokens, fewer than max_model_len %d: a request that grows "
-            "past %d tokens fails; raise num_blocks/kv_cache_memory or lower max_model_len",
+            "the KV cache holds %d tokens, fewer than max_model_len %d: a request that needs "
+            "more fails with an error; raise num_blocks/kv_cache_memory or lower max_model_len",
             tokens,
             max_len,
-            tokens - 1,
         )
     return KVCacheManager(num_blocks, block_size)
 
