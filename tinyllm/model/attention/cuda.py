@@ -8,16 +8,18 @@ heads that share it (grouped-query attention): the tile's rows are (token, query
 m being token m // group and head m % group, so the K/V chunk loaded serves all of them. It walks
 the context in chunks of keys, each key's block looked up in the block table, keeping a running
 softmax (flash attention), so no copy of the context is ever made. Decode rows and prefill rows
-are two launches of the same kernel: decode tiles hold one token, padded to the 16 rows a tl.dot
-takes; prefill tiles hold 64 rows, as many tokens as fit.
+are two launches of the same kernel: decode tiles hold one token, padded to the 16 rows of a
+tensor-core MMA; prefill tiles hold 64 rows, as many tokens as fit.
 """
+
+import functools
 
 import torch
 from torch import Tensor
 
 from tinyllm.model.attention.backend import AttentionBackend, AttentionMetadata
 
-DECODE_ROWS = 16  # the fewest rows a tensor-core tl.dot takes; a decode tile fills `group`
+DECODE_ROWS = 16  # a tensor-core MMA is 16 rows high; a decode tile fills `group` of them
 PREFILL_ROWS = 64
 
 
@@ -88,13 +90,17 @@ class CudaBackend(AttentionBackend):
             HEAD_DIM=head_dim,
             D_PAD=max(16, _pow2(head_dim)),  # tl.dot's inner size is at least 16
             BLOCK_SIZE=block_size,
-            # fp32 tiles are twice the bytes: halve them to stay in shared memory. tf32 would
-            # round fp32 products to 10 bits; "tf32" is the default that 16-bit inputs ignore.
+            # fp32 tiles are twice the bytes, and its exact ("ieee") dots run on the CUDA cores,
+            # not the tensor cores: half the keys per step and twice the warps keep its tiles in
+            # shared memory and registers (no spills on sm_90). tf32 would round fp32 to 10 bits;
+            # "tf32" is the default, which 16-bit inputs ignore.
             KEYS=32 if fp32 else 64,
             PRECISION="ieee" if fp32 else "tf32",
+            num_warps=8 if fp32 else 4,
         )
 
 
+@functools.cache  # one kernel, and one cache of compiled variants, however many backends load
 def _define_kernel():
     """Import triton and define the kernel: here, not at the top, so that the module imports
     where triton is absent (CPU machines)."""
@@ -163,7 +169,7 @@ def _define_kernel():
             # Each key's block, so that a chunk may span blocks or lie inside one. Masked loads
             # keep the table's next row and the pool's unwritten slots (maybe NaN) out.
             table_at = block_tables + row * stride_table + key // BLOCK_SIZE
-            block = tl.load(table_at, mask=in_ctx, other=0)
+            block = tl.load(table_at, mask=in_ctx, other=0).to(tl.int64)  # big pools pass 2**31
             slot = block * stride_kb + (key % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
             kt = tl.load(
                 K + slot[None, :] + d[:, None], mask=d_real[:, None] & in_ctx[None, :], other=0.0
