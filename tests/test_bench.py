@@ -1,11 +1,32 @@
 """The benchmark workloads and `tinyllm bench` as a user runs it."""
 
+import argparse
+import json
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
+from matplotlib.image import imread
 
+from tinyllm.entrypoints import llm as llm_module
+from tinyllm.entrypoints.args import build_llm, default_threads
+from tinyllm.entrypoints.bench.args import add_bench_args
+from tinyllm.entrypoints.bench.machine import Machine
+from tinyllm.entrypoints.bench.report import (
+    PLOT_DPI,
+    PLOT_SIZE,
+    OfflineResult,
+    Run,
+    plot,
+    summary,
+    to_json,
+)
 from tinyllm.entrypoints.workloads import WORKLOADS, make_requests
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PLOT_PIXELS = (round(PLOT_SIZE[1] * PLOT_DPI), round(PLOT_SIZE[0] * PLOT_DPI))  # rows, columns
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
@@ -23,8 +44,58 @@ def test_workloads_are_reproducible_and_in_range(name):
         assert len({tuple(r.prompt_token_ids[: w.shared_prefix]) for r in a}) == 1
 
 
+def test_threads_default_to_omp_num_threads_else_the_allowed_cores(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert default_threads() == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert default_threads() == len(os.sched_getaffinity(0))
+
+
+def test_engine_flags_reach_torch_and_the_llm(monkeypatch):
+    made = {}
+    monkeypatch.setattr(llm_module, "LLM", lambda **kwargs: made.update(kwargs))
+    # The bench parser alone: see test_bench_serve.bench_serve on importing the CLI module.
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    args = parser.parse_args(["offline", "--threads", "1", "--max-num-batched-tokens", "64"])
+    before = torch.get_num_threads()
+    try:
+        build_llm(args)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert made["max_num_batched_tokens"] == 64
+
+
+def _result() -> OfflineResult:
+    machine = Machine("cpu", 2, "AVX2", gemm_flops=100e9, copy_bandwidth=20e9)
+    runs = [Run("tinyllm", 4, 600, 200, 10.0), Run("transformers", 4, 600, 200, 25.0)]
+    return OfflineResult("offline-small", 7, runs, 500e9, 2**29, machine, {"threads": None})
+
+
+def test_json_has_the_rates_and_their_ratio():
+    res = to_json(_result())
+    assert (res["workload"], res["seed"], res["requests"]) == ("offline-small", 7, 4)
+    assert (res["prompt_tokens"], res["output_tokens"]) == (600, 200)
+    assert res["machine"]["threads"] == 2 and res["machine"]["gemm_gflops"] == 100
+    t, b = res["tinyllm"], res["baseline"]
+    assert (t["output_tokens_per_s"], t["total_tokens_per_s"], t["requests_per_s"]) == (20, 80, 0.4)
+    assert b["output_tokens_per_s"] == 8 and b["engine"] == "transformers"
+    assert res["ratio"] == {"output_tokens_per_s": 2.5, "total_tokens_per_s": 2.5}
+    assert t["fraction_of_gemm_peak"] == pytest.approx(500e9 / 10.0 / 100e9)
+    assert "2.50x" in summary(_result()).splitlines()[-1]
+
+
+def test_plot_is_a_png_of_the_set_size(tmp_path):
+    path = tmp_path / "bench.png"
+    plot(_result(), path)
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    assert imread(path).shape[:2] == PLOT_PIXELS
+
+
 @pytest.mark.slow
-def test_bench_prints_both_engines_and_the_ratio():
+def test_bench_reports_both_engines_in_table_json_and_plot(tmp_path):
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     r = subprocess.run(
         [
             sys.executable,
@@ -33,15 +104,45 @@ def test_bench_prints_both_engines_and_the_ratio():
             "bench",
             "offline-small",
             "--num-requests",
-            "2",
+            "1",
+            "--threads",
+            "1",
+            "--json",
+            str(out_json),
+            "--plot",
+            str(out_png),
         ],
         capture_output=True,
         text=True,
         timeout=900,
     )
     assert r.returncode == 0, r.stderr
+    requests = make_requests("offline-small", 49152, 0, 1)
+    res = json.loads(out_json.read_text())
+    prompt = sum(len(q.prompt_token_ids) for q in requests)
+    output = sum(q.max_tokens for q in requests)
+    assert (res["requests"], res["prompt_tokens"], res["output_tokens"]) == (1, prompt, output)
+    assert res["machine"]["threads"] == 1
+    t, b = res["tinyllm"], res["baseline"]
+    assert t["output_tokens_per_s"] * t["seconds"] == pytest.approx(output)
+    assert b["total_tokens_per_s"] * b["seconds"] == pytest.approx(prompt + output)
+    ratio = t["output_tokens_per_s"] / b["output_tokens_per_s"]
+    assert res["ratio"]["output_tokens_per_s"] == pytest.approx(ratio)
+
+    # The table says the same as the JSON.
     rows = {line.split()[0]: line.split() for line in r.stdout.splitlines() if line.strip()}
-    assert rows["tinyllm"][1] == rows["transformers"][1] == "2"
-    assert rows["tinyllm"][2] == rows["transformers"][2]  # same output tokens counted
-    assert rows["tinyllm/transformers"][1].endswith("x")
-    assert float(rows["tinyllm/transformers"][1][:-1]) > 0
+    assert rows["tinyllm"][1:3] == rows["transformers"][1:3] == ["1", str(output)]
+    assert rows["tinyllm/transformers"][1] == f"{ratio:.2f}x"
+    # Each phase is announced on stderr before it runs, in order.
+    phases = [line for line in r.stderr.splitlines() if line.startswith("bench: ")]
+    expected = [
+        "loading tinyllm",
+        "loading the transformers baseline",
+        "measuring the machine",
+        "running tinyllm",
+        "running the baseline",
+    ]
+    assert len(phases) == len(expected)
+    for phase, start in zip(phases, expected, strict=True):
+        assert phase.startswith(f"bench: {start}"), phases
+    assert imread(out_png).shape[:2] == PLOT_PIXELS

@@ -1,6 +1,17 @@
 """Engine options shared by every command, and building an `LLM` from them."""
 
 import argparse
+import os
+
+
+def default_threads() -> int:
+    """OMP_NUM_THREADS when set (how a run is pinned to one thread on a busy machine), else the
+    cores this process may run on."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return int(os.environ["OMP_NUM_THREADS"])
+    if hasattr(os, "sched_getaffinity"):  # Linux: the cores a container or taskset allows
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -23,11 +34,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="tokens one engine step may run (decode tokens plus prefill chunks)",
     )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: OMP_NUM_THREADS if set, else the cores this process "
+        f"may use: {default_threads()} here)",
+    )
 
 
 def build_llm(args: argparse.Namespace):
+    # Imported here so that `--help` and argument errors come without loading torch.
+    import torch
+
     from tinyllm.entrypoints.llm import LLM
 
+    threads = default_threads() if args.threads is None else args.threads
+    if threads < 1:
+        raise ValueError(f"--threads={threads} must be >= 1")
+    torch.set_num_threads(threads)  # before loading: weight conversion uses the pool too
     return LLM(
         model=args.model,
         dtype=args.dtype,
@@ -39,7 +64,14 @@ def build_llm(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         **(
             {"max_num_batched_tokens": args.max_num_batched_tokens}
-            if args.max_num_batched_tokens
+            if args.max_num_batched_tokens is not None
             else {}
         ),
     )
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, object]:
+    """The engine options in `args`, by name: the record of how a benchmark's engine was set."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_engine_args(p)
+    return {name: getattr(args, name) for name in vars(p.parse_args([]))}

@@ -8,6 +8,7 @@ import time
 
 from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from tinyllm.entrypoints.args import add_engine_args, build_llm
+from tinyllm.entrypoints.bench.args import add_bench_args
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -28,8 +29,9 @@ def _params(args: argparse.Namespace) -> SamplingParams:
     )
 
 
-def stream(llm, prompt_ids: list[int], params: SamplingParams, out=sys.stdout):
+def stream(llm, prompt_ids: list[int], params: SamplingParams, out=None):
     """Print the completion as it is generated; returns the final RequestOutput."""
+    out = out or sys.stdout  # looked up per call: tests and callers swap sys.stdout
     engine = llm.engine
     params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
     rid = engine.add_request(None, params, prompt_token_ids=prompt_ids)
@@ -98,12 +100,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(args)
 
 
-def cmd_bench(args: argparse.Namespace) -> None:
-    from tinyllm.entrypoints.bench import run_bench
-
-    run_bench(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tinyllm", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
@@ -129,20 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 
-    b = sub.add_parser("bench", help="throughput/latency benchmarks against a baseline")
-    b.add_argument("workload", nargs="?", default="offline-small")
-    b.add_argument(
-        "--baseline",
-        default="transformers",
-        choices=["transformers", "none"],
-        help="measured in the same run: HF transformers, fp32, static batches of 16",
+    b = sub.add_parser(
+        "bench",
+        help="throughput/latency benchmarks",
+        description="Offline workloads run in-process against a baseline measured in the same "
+        "run; `serve` measures a running OpenAI-compatible server.",
     )
-    b.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
-    b.add_argument(
-        "--num-requests", type=int, default=None, help="run only the workload's first N requests"
-    )
-    add_engine_args(b)
-    b.set_defaults(func=cmd_bench)
+    add_bench_args(b)
     return parser
 
 

@@ -16,6 +16,17 @@ class Workload:
     output_len: tuple[int, int]  # inclusive range of generated tokens (EOS ignored)
     shared_prefix: int = 0  # tokens every prompt starts with
 
+    def summary(self) -> str:
+        def length(lo: int, hi: int) -> str:
+            return str(lo) if lo == hi else f"U[{lo}, {hi}]"
+
+        n = self.num_requests
+        prefix = f"{self.shared_prefix} shared + " if self.shared_prefix else ""
+        return (
+            f"{n} request{'s' if n > 1 else ''}, prompt {prefix}{length(*self.prompt_len)} "
+            f"tokens, output {length(*self.output_len)}"
+        )
+
 
 @dataclass(frozen=True)
 class Request:
@@ -28,7 +39,10 @@ WORKLOADS = {
     "offline-small": Workload(16, (32, 256), (16, 128)),
     "shared-prefix": Workload(64, (16, 64), (16, 64), shared_prefix=512),
     "single": Workload(1, (128, 128), (256, 256)),
+    "serve": Workload(200, (32, 512), (16, 256)),
 }
+# Run in-process by `tinyllm bench NAME`; `serve` is sent to a server by `tinyllm bench serve`.
+OFFLINE_WORKLOADS = ("offline", "offline-small", "shared-prefix", "single")
 
 
 def check_workload(name: str, num_requests: int | None = None) -> None:

@@ -1,0 +1,132 @@
+"""`tinyllm bench`'s command line: one subcommand per offline workload, and `serve`.
+
+Kept apart from the benchmarks themselves so that `tinyllm --help` imports neither torch nor
+httpx.
+"""
+
+import argparse
+import os
+from pathlib import Path
+
+from tinyllm.entrypoints.args import add_engine_args
+from tinyllm.entrypoints.workloads import OFFLINE_WORKLOADS, WORKLOADS
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+# The default model's; random prompt ids stay below it, so any larger vocabulary works too.
+DEFAULT_VOCAB_SIZE = 49152
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from tinyllm.entrypoints.bench.offline import run_bench
+
+    run_bench(args)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> None:
+    from tinyllm.entrypoints.bench.serve import run_serve
+
+    run_serve(args)
+
+
+def _output_path(value: str) -> Path:
+    """A file written at the end of the run: its folder is checked now, not after the run."""
+    path = Path(value)
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"no folder {path.parent} to write {path.name} in")
+    return path
+
+
+def _offline_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--baseline",
+        default="transformers",
+        choices=["transformers", "none"],
+        help="measured in the same run: HF transformers, fp32, static batches of 16",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument(
+        "--num-requests", type=int, default=None, help="run only the workload's first N requests"
+    )
+    p.add_argument(
+        "--json", metavar="PATH", type=_output_path, help="also write the results as JSON"
+    )
+    p.add_argument(
+        "--plot", metavar="PATH", type=_output_path, help="also draw the throughputs in a PNG"
+    )
+    add_engine_args(p)
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--base-url",
+        default=DEFAULT_BASE_URL,
+        type=lambda url: url.rstrip("/"),
+        help=f"the OpenAI-compatible server (default: {DEFAULT_BASE_URL})",
+    )
+    p.add_argument(
+        "--model", default=None, help="model name to ask for (default: the server's first)"
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="sent as a bearer token (default: $OPENAI_API_KEY)",
+    )
+    p.add_argument(
+        "--num-requests", type=int, default=None, help="send only the workload's first N requests"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and the arrivals")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests per second, Poisson arrivals (default: inf, all at once)",
+    )
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="at most this many requests in flight; later arrivals wait (default: no cap)",
+    )
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help="every request generates this many tokens (default: the workload's U[16, 256])",
+    )
+    p.add_argument(
+        "--long-prompt",
+        type=int,
+        metavar="N",
+        default=None,
+        help="once every request is streaming, send one more with an N-token prompt and "
+        "report the others' inter-token latency while it is prefilled",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=DEFAULT_VOCAB_SIZE,
+        help="prompt token ids are drawn from [100, vocab - 100) "
+        f"(default: {DEFAULT_VOCAB_SIZE}, the default model's)",
+    )
+    p.add_argument(
+        "--json", metavar="PATH", type=_output_path, help="also write the results as JSON"
+    )
+
+
+def add_bench_args(b: argparse.ArgumentParser) -> None:
+    """`tinyllm bench`'s subcommands, on its parser."""
+    workloads = b.add_subparsers(dest="workload", metavar="WORKLOAD", required=True)
+    for name in OFFLINE_WORKLOADS:
+        w = workloads.add_parser(name, help=WORKLOADS[name].summary())
+        _offline_args(w)
+        w.set_defaults(func=cmd_bench)
+    serve = WORKLOADS["serve"].summary()
+    s = workloads.add_parser(
+        "serve",
+        help=f"online, against a running server: {serve}",
+        description=f"The serve workload ({serve}) streamed from a running OpenAI-compatible "
+        "server's /v1/completions; reports throughput and TTFT/TPOT/ITL/E2E latency as "
+        "`vllm bench serve` does.",
+    )
+    _serve_args(s)
+    s.set_defaults(func=cmd_bench_serve)

@@ -1,0 +1,177 @@
+"""What an offline bench measured, and how it is shown: the table, the JSON, the plot."""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tinyllm.entrypoints.bench.machine import Machine
+from tinyllm.entrypoints.workloads import Request
+
+PLOT_SIZE = (9.0, 4.5)  # inches
+PLOT_DPI = 100
+
+
+@dataclass(frozen=True)
+class Run:
+    engine: str
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    seconds: float
+
+    @property
+    def output_rate(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def total_rate(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.seconds
+
+    @property
+    def request_rate(self) -> float:
+        return self.requests / self.seconds
+
+
+def threads(n: int) -> str:
+    return f"{n} thread" + ("s" if n != 1 else "")
+
+
+def measured(engine: str, requests: list[Request], seconds: float) -> Run:
+    """A run that made every request's max_tokens (both engines ignore EOS)."""
+    prompt = sum(len(r.prompt_token_ids) for r in requests)
+    output = sum(r.max_tokens for r in requests)
+    return Run(engine, len(requests), prompt, output, seconds)
+
+
+@dataclass(frozen=True)
+class OfflineResult:
+    workload: str
+    seed: int
+    runs: list[Run]  # tinyllm first, then the baseline if one ran
+    flops: float  # what the workload needs, whatever the engine
+    weight_bytes: int  # tinyllm's, all read once per decode step
+    machine: Machine
+    engine_args: dict[str, object]
+
+    @property
+    def ratios(self) -> tuple[float, float] | None:
+        """tinyllm / baseline, output and total tokens/s; None without a baseline."""
+        if len(self.runs) < 2:
+            return None
+        a, b = self.runs
+        return a.output_rate / b.output_rate, a.total_rate / b.total_rate
+
+
+# -- the table -----------------------------------------------------------------------------------
+
+_COLUMNS = ["engine", "requests", "out tok", "wall s", "out tok/s", "total tok/s", "GFLOP/s"]
+
+
+def _row(cells: list[str]) -> str:
+    return f"{cells[0]:<22}" + "".join(f"{c:>12}" for c in cells[1:])
+
+
+def summary(res: OfflineResult) -> str:
+    m, first = res.machine, res.runs[0]
+    lines = [
+        f"workload {res.workload}: {first.requests} requests, seed {res.seed}, "
+        f"{first.prompt_tokens} prompt + {first.output_tokens} output tokens, "
+        f"{res.flops / 1e12:.2f} TFLOP",
+        f"machine: {m.device} ({m.cpu_capability}), {threads(m.threads)}, "
+        f"fp32 GEMM {m.gemm_flops / 1e9:.1f} GFLOP/s, copy {m.copy_bandwidth / 1e9:.1f} GB/s "
+        f"(single-stream decode bound: {res.weight_bytes / 2**20:.0f} MiB of weights per token, "
+        f"{m.copy_bandwidth / res.weight_bytes:.0f} tok/s)",
+        _row(_COLUMNS + ["% peak"]),
+    ]
+    for r in res.runs:
+        rate = res.flops / r.seconds
+        cells = [r.engine, str(r.requests), str(r.output_tokens), f"{r.seconds:.1f}"]
+        cells += [f"{r.output_rate:.1f}", f"{r.total_rate:.1f}", f"{rate / 1e9:.1f}"]
+        lines.append(_row(cells + [f"{100 * rate / m.gemm_flops:.1f}%"]))
+    if res.ratios is not None:
+        a, b = res.runs
+        cells = [f"{a.engine}/{b.engine}", "", "", ""] + [f"{x:.2f}x" for x in res.ratios]
+        lines.append(_row(cells))
+    return "\n".join(lines)
+
+
+# -- JSON ----------------------------------------------------------------------------------------
+
+
+def _run_json(r: Run, res: OfflineResult) -> dict:
+    achieved = res.flops / r.seconds
+    return {
+        "engine": r.engine,
+        "seconds": r.seconds,
+        "output_tokens_per_s": r.output_rate,
+        "total_tokens_per_s": r.total_rate,
+        "requests_per_s": r.request_rate,
+        "gflops": achieved / 1e9,
+        "fraction_of_gemm_peak": achieved / res.machine.gemm_flops,
+    }
+
+
+def to_json(res: OfflineResult) -> dict:
+    m, first = res.machine, res.runs[0]
+    ratios = res.ratios
+    return {
+        "workload": res.workload,
+        "seed": res.seed,
+        "requests": first.requests,
+        "prompt_tokens": first.prompt_tokens,
+        "output_tokens": first.output_tokens,
+        "workload_tflop": res.flops / 1e12,
+        "weight_mib": res.weight_bytes / 2**20,
+        "machine": {
+            "device": m.device,
+            "threads": m.threads,
+            "cpu_capability": m.cpu_capability,
+            "gemm_gflops": m.gemm_flops / 1e9,
+            "copy_gb_per_s": m.copy_bandwidth / 1e9,
+        },
+        "engine_args": res.engine_args,
+        "tinyllm": _run_json(first, res),
+        "baseline": _run_json(res.runs[1], res) if ratios else None,
+        "ratio": (
+            {"output_tokens_per_s": ratios[0], "total_tokens_per_s": ratios[1]} if ratios else None
+        ),
+    }
+
+
+def write_json(res: OfflineResult, path: Path) -> None:
+    path.write_text(json.dumps(to_json(res), indent=2) + "\n")
+
+
+# -- the plot ------------------------------------------------------------------------------------
+
+
+def plot(res: OfflineResult, path: Path) -> None:
+    """A PNG: output and total tokens/s of each engine side by side, the ratio in the title."""
+    # The Agg canvas directly, not pyplot: no global figure state and no display needed.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=PLOT_SIZE, dpi=PLOT_DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    engines = [r.engine for r in res.runs]
+    colors = ["tab:blue", "tab:gray"][: len(engines)]
+    panels = [
+        ("output tokens/s", [r.output_rate for r in res.runs]),
+        ("total tokens/s (prompt + output)", [r.total_rate for r in res.runs]),
+    ]
+    for ax, (label, rates) in zip(fig.subplots(1, 2), panels, strict=True):
+        bars = ax.bar(engines, rates, color=colors)
+        ax.bar_label(bars, fmt="%.1f")
+        ax.set_xlabel("engine")
+        ax.set_ylabel(label)
+        ax.margins(y=0.15)  # room for the value labels above the bars
+    m, first = res.machine, res.runs[0]
+    title = f"tinyllm bench {res.workload}"
+    if res.ratios is not None:
+        title += f": {res.ratios[0]:.2f}x {res.runs[1].engine} in output tokens/s"
+    fig.suptitle(
+        f"{title}\n{first.requests} requests, {first.prompt_tokens} prompt + "
+        f"{first.output_tokens} output tokens; {m.device} ({m.cpu_capability}), "
+        f"{threads(m.threads)}"
+    )
+    fig.savefig(path, format="png")

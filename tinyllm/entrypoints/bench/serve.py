@@ -1,0 +1,228 @@
+"""`tinyllm bench serve`: the online benchmark, as `vllm bench serve` measures it.
+
+The `serve` workload's requests (random token-id prompts, EOS ignored, greedy) stream from a
+running server's /v1/completions, arriving as a Poisson process at --request-rate requests/s
+(inf: all at once). Only the OpenAI API is used, plus `ignore_eos`, which vLLM and tinyllm
+accept, so the same command measures another server on the same machine for a ratio.
+
+Per request: TTFT, from sending it to its first streamed chunk; ITL, the gaps between successive
+chunks; TPOT, (E2E - TTFT) / (output tokens - 1); E2E, from sending to the end of the stream.
+A chunk may carry several tokens (text the server's detokenizer held back), so ITL counts chunks
+and TPOT counts tokens, as vLLM does; token counts come from the stream's usage chunk.
+
+--long-prompt N: once every other request is streaming, one more arrives with an N-token
+prompt; the other streams' gaps while it is prefilled (from its sending to its first chunk) are
+reported apart. That is the stall chunked prefill exists to bound.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import replace
+
+import httpx
+from tqdm import tqdm
+
+from tinyllm.entrypoints.bench.serve_report import Outcome, ServeResult, table, write_json
+from tinyllm.entrypoints.workloads import Request, make_requests
+
+# Only the long prompt's prefill matters: its window ends at its first token.
+LONG_PROMPT_MAX_TOKENS = 1
+
+
+def arrival_times(n: int, rate: float, rng: random.Random) -> list[float]:
+    """When each request is due, in seconds: a Poisson process (exponential gaps of mean
+    1/rate), the first at 0; all at 0 for an infinite rate."""
+    if math.isinf(rate):
+        return [0.0] * n
+    times, t = [], 0.0
+    for _ in range(n):
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+def _message(payload: object) -> str:
+    """The message of an OpenAI-shaped error, {"error": {"message": ...}}, else the payload."""
+    error = payload.get("error") if isinstance(payload, dict) else None
+    if isinstance(error, dict) and "message" in error:
+        return str(error["message"])
+    return str(error or payload)[:200]
+
+
+def _error_message(status: int, body: bytes) -> str:
+    try:
+        message = _message(json.loads(body))
+    except ValueError:  # not JSON: a proxy's error page, say
+        message = body[:200].decode(errors="replace")
+    return f"HTTP {status}: {message}"
+
+
+class Client:
+    """Streams completions from one server, timing every chunk on one clock."""
+
+    def __init__(self, http: httpx.AsyncClient, model: str, t0: float) -> None:
+        self.http, self.model, self.t0 = http, model, t0
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    async def send(self, req: Request, streaming: asyncio.Event) -> Outcome:
+        """One request; sets `streaming` at its first chunk or its end. Failures are recorded
+        in the outcome, never raised: a benchmark reports them and goes on."""
+        out = Outcome(len(req.prompt_token_ids), req.max_tokens)
+        body = {
+            "model": self.model,
+            "prompt": req.prompt_token_ids,
+            "max_tokens": req.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        out.sent = self.now()
+        try:
+            out.error = await self._stream(body, out, streaming)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            out.error = f"{type(e).__name__}: {e}"
+        finally:
+            out.done = self.now()
+            streaming.set()
+        return out
+
+    async def _stream(self, body: dict, out: Outcome, streaming: asyncio.Event) -> str | None:
+        """Reads the server-sent events into `out`; returns what went wrong, if anything."""
+        async with self.http.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                return _error_message(resp.status_code, await resp.aread())
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line.removeprefix("data:").strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    return f"error event: {_message(event)}"
+                if event.get("choices"):
+                    out.chunks.append(self.now())
+                    streaming.set()
+                if event.get("usage"):
+                    out.output_tokens = event["usage"]["completion_tokens"]
+            else:
+                return "the stream ended without [DONE]"
+        if not out.chunks:
+            return "no chunk was streamed"
+        if not out.output_tokens:
+            return "no usage chunk: the server ignored stream_options.include_usage"
+        return None
+
+
+async def benchmark(
+    args: argparse.Namespace, model: str, requests: list[Request], long: Request | None
+) -> ServeResult:
+    rng = random.Random(args.seed)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    # No connection cap (httpx's default is 100): a request queued inside the pool would be
+    # timed from a send that had not happened. --max-concurrency is the cap.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    cap = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    bar = tqdm(total=len(requests), desc="requests", unit="req")
+
+    async with httpx.AsyncClient(
+        base_url=args.base_url,
+        headers=headers,
+        limits=limits,
+        timeout=httpx.Timeout(None, connect=30),  # a stream may wait minutes for its turn
+    ) as http:
+        client = Client(http, model, time.perf_counter())
+
+        async def capped(req: Request, streaming: asyncio.Event) -> Outcome:
+            async with cap or contextlib.nullcontext():
+                out = await client.send(req, streaming)
+            bar.update()
+            return out
+
+        tasks, streaming = [], []
+        due_times = arrival_times(len(requests), args.request_rate, rng)
+        for req, due in zip(requests, due_times, strict=True):
+            await asyncio.sleep(max(0.0, due - client.now()))
+            streaming.append(asyncio.Event())
+            tasks.append(asyncio.create_task(capped(req, streaming[-1])))
+        long_task = None
+        if long is not None:
+            # Past the cap: it is the extra request the scenario is about.
+            await asyncio.gather(*(e.wait() for e in streaming))
+            long_task = asyncio.create_task(client.send(long, asyncio.Event()))
+        outcomes = await asyncio.gather(*tasks)
+        long_outcome = await long_task if long_task is not None else None
+        duration = client.now()
+    bar.close()
+    return ServeResult(
+        base_url=args.base_url,
+        model=model,
+        seed=args.seed,
+        request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency,
+        duration=duration,
+        outcomes=list(outcomes),
+        long=long_outcome,
+    )
+
+
+def served_model(base_url: str, api_key: str | None) -> str:
+    """The first model the server lists at /v1/models."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30)
+    except httpx.HTTPError as e:
+        raise ConnectionError(f"cannot reach {base_url}: {e}") from e
+    if resp.status_code != 200:
+        raise ValueError(f"{base_url}/v1/models: {_error_message(resp.status_code, resp.content)}")
+    models = resp.json().get("data") or []
+    if not models:
+        raise ValueError(f"{base_url}/v1/models lists no model: pass --model")
+    return models[0]["id"]
+
+
+def _check(args: argparse.Namespace) -> None:
+    for flag, value in [
+        ("--max-concurrency", args.max_concurrency),
+        ("--long-prompt", args.long_prompt),
+        ("--output-len", args.output_len),
+    ]:
+        if value is not None and value < 1:
+            raise ValueError(f"{flag}={value} must be >= 1")
+    if not args.request_rate > 0:
+        raise ValueError(f"--request-rate={args.request_rate} must be > 0 (inf: all at once)")
+    if args.vocab_size <= 200:
+        raise ValueError(f"--vocab-size={args.vocab_size}: prompts are ids in [100, vocab - 100)")
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    _check(args)
+    requests = make_requests("serve", args.vocab_size, args.seed, args.num_requests)
+    if args.output_len is not None:
+        requests = [replace(r, max_tokens=args.output_len) for r in requests]
+    long = None
+    if args.long_prompt is not None:
+        rng = random.Random(f"long prompt {args.seed}")
+        ids = [rng.randrange(100, args.vocab_size - 100) for _ in range(args.long_prompt)]
+        long = Request(ids, LONG_PROMPT_MAX_TOKENS)
+    model = args.model or served_model(args.base_url, args.api_key)
+    print(
+        f"bench serve: {len(requests)} requests to {args.base_url} ({model}) at "
+        f"{args.request_rate:g} requests/s"
+        + (f", a {args.long_prompt}-token prompt once all stream" if long else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+    result = asyncio.run(benchmark(args, model, requests, long))
+    print(table(result))
+    if args.json:
+        write_json(result, args.json)
