@@ -42,10 +42,10 @@ def drive(engine: LLMEngine, requests: list[Request], desc: str) -> Trace:
             if out.finished:
                 trace.outputs[out.request_id] = out.token_ids
                 bar.update(1)
-        c = engine.cache
-        sample = StepSample(
-            engine.stats(), c.used_tokens(), c.allocated_tokens(), c.reserved_tokens()
-        )
+        kv = engine.kv
+        used = sum(r.num_computed_tokens for r in engine.scheduler.running)
+        allocated = kv.pool.num_used * kv.block_size
+        sample = StepSample(engine.stats(), used, allocated, kv.capacity_tokens)
         trace.steps.append(sample)
     trace.seconds = time.perf_counter() - start
     bar.close()
