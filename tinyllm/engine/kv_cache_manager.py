@@ -13,6 +13,7 @@ max_model_len tokens per request.
 """
 
 import math
+from collections import Counter
 
 from tinyllm.engine.request import Request
 
@@ -48,9 +49,12 @@ class BlockPool:
         return blocks
 
     def free(self, blocks: list[int]) -> None:
-        for b in blocks:
-            if self.ref_cnt[b] == 0:
+        for b, n in Counter(blocks).items():  # check all first: a bad list frees nothing
+            if not 0 <= b < self.num_blocks:
+                raise ValueError(f"block {b} is not in the pool of {self.num_blocks}")
+            if self.ref_cnt[b] < n:
                 raise ValueError(f"block {b} freed twice (or never allocated)")
+        for b in blocks:
             self.ref_cnt[b] -= 1
             if self.ref_cnt[b] == 0:
                 self._free.append(b)
