@@ -43,6 +43,7 @@ def workload(default_llm):
 
 
 def _engine(llm, **kw) -> LLMEngine:
+    kw.setdefault("num_blocks", 512)  # 8192 tokens: room for the whole workload, 368 MiB
     return LLMEngine(llm.engine.model, llm.tokenizer, EngineConfig(**kw))
 
 
@@ -124,19 +125,34 @@ def test_batched_equals_alone(default_llm, workload, alone, kv_cache, budget, pe
         assert engine.chunked_prompts > 0 and engine.mixed_steps > 0
 
 
-def test_preemption_reproduces_outputs(default_llm, workload, alone):
+@pytest.mark.parametrize("budget", [512, 32])
+def test_preemption_reproduces_outputs(default_llm, workload, budget):
     """12 blocks of 16 tokens: four 40-token prompts fit at first, and each grows to 88 tokens,
-    so decode runs out of blocks again and again and the newest sequences are recomputed."""
+    so decode runs out of blocks again and again and the newest requests are recomputed. With
+    a budget of 32 tokens prompts are chunked, and some are preempted mid-prefill."""
     prompts = [p[:40] for p in workload[0] if len(p) >= 40][:6]
     params = [SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, logprobs=5)] * 6
     ref = {
         i: _run(_engine(default_llm, max_num_seqs=1), [p], [params[0]])[0]
         for i, p in enumerate(prompts)
     }
-    engine = _engine(default_llm, num_blocks=12, block_size=16, max_num_seqs=8)
+    engine = _engine(
+        default_llm, num_blocks=12, block_size=16, max_num_seqs=8, max_num_batched_tokens=budget
+    )
+    victims, lost = [], []
+    preempt = engine.scheduler._preempt
+
+    def spy(request):
+        victims.append("prefill" if request.num_computed_tokens < 40 else "decode")
+        lost.append(request.num_computed_tokens)
+        preempt(request)
+
+    engine.scheduler._preempt = spy
     done = _run(engine, prompts, params)
     stats = engine.stats()
-    assert stats.num_preemptions > 0 and stats.recomputed_tokens > 40 * stats.num_preemptions
+    assert stats.num_preemptions == len(victims) > 0
+    assert "decode" in victims and ("prefill" in victims or budget > 40)
+    assert stats.recomputed_tokens == sum(lost)  # every token lost is computed again, once
     assert engine.kv.pool.num_used == 0 and engine.kv.pool.peak_used == 12
     for i, r in ref.items():
         assert len(done[i].token_ids) == 48
