@@ -37,8 +37,8 @@ class RequestStream:
             pass
 
     async def get(self) -> list[RequestOutput]:
-        """Every output that has arrived, waiting for at least one. Outputs are cumulative, so a
-        slow reader just skips to the latest."""
+        """Every output that has arrived, in order, waiting for at least one. Outputs are
+        deltas: each holds only what is new since the request's previous one."""
         items = [await self._queue.get()]
         while not self._queue.empty():
             items.append(self._queue.get_nowait())
@@ -55,6 +55,7 @@ class _Tracked:
     stream: RequestStream
     arrival: float
     first_token: float | None = None
+    num_tokens: int = 0
 
 
 class EngineLoop:
@@ -148,7 +149,7 @@ class EngineLoop:
         out = self.engine.abort(request_id)
         if tracked is not None and out is not None:
             self.metrics.record_finished(
-                "abort", len(out.token_ids), tracked.arrival, tracked.first_token, time.monotonic()
+                "abort", tracked.num_tokens, tracked.arrival, tracked.first_token, time.monotonic()
             )
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -161,11 +162,12 @@ class EngineLoop:
             if tracked.first_token is None and out.token_ids:
                 tracked.first_token = now
                 self.metrics.ttft.observe(now - tracked.arrival)
+            tracked.num_tokens += len(out.token_ids)
             if out.finished:
                 del self._tracked[out.request_id]
                 self.metrics.record_finished(
                     out.finish_reason or "error",
-                    len(out.token_ids),
+                    tracked.num_tokens,
                     tracked.arrival,
                     tracked.first_token,
                     now,

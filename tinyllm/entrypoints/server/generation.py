@@ -5,6 +5,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 from pydantic import BaseModel
 
@@ -24,6 +25,24 @@ DISCONNECT_POLL_S = 0.5
 ChunkFn = Callable[[Choice, str, list[TokenLogprob] | None, str | None, int], BaseModel]
 
 
+@dataclass
+class ChoiceResult:
+    """A choice's output so far, summed from the engine's deltas."""
+
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+
+    def add(self, delta: RequestOutput) -> None:
+        out = delta.outputs[0]
+        self.text += out.text
+        self.num_tokens += len(out.token_ids)
+        if out.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + out.logprobs
+        self.finish_reason = out.finish_reason
+
+
 class Generation:
     """Submits every choice at once; whatever way the request ends, close() aborts what is left
     in the engine (so a client that went away frees its KV blocks at once) and logs the line."""
@@ -34,23 +53,22 @@ class Generation:
         self.request_id, self.prompts, self.choices = request_id, prompts, choices
         self._loop = loop
         self._by_id = {c.request_id: c for c in choices}
-        self.latest: dict[int, RequestOutput] = {}  # choice index -> its latest output
+        self.results = {c.index: ChoiceResult() for c in choices}
         self._unfinished = set(self._by_id)
         self._start = time.perf_counter()
         self._stream = loop.submit([(c.request_id, c.prompt.token_ids, c.params) for c in choices])
         self._closed = False
 
     async def _next(self) -> list[tuple[Choice, RequestOutput]]:
-        # Outputs are cumulative, so only each choice's latest one matters.
-        latest = {out.request_id: out for out in await self._stream.get()}
+        """The deltas that arrived, in order, each added to its choice's result."""
         batch = []
-        for request_id, out in latest.items():
+        for out in await self._stream.get():
             if out.finish_reason == "error":
                 raise APIError(400, out.error or "the engine refused the request")
             if out.finished:
-                self._unfinished.discard(request_id)
-            choice = self._by_id[request_id]
-            self.latest[choice.index] = out
+                self._unfinished.discard(out.request_id)
+            choice = self._by_id[out.request_id]
+            self.results[choice.index].add(out)
             batch.append((choice, out))
         return batch
 
@@ -82,7 +100,7 @@ class Generation:
 
     def usage(self) -> Usage:
         prompt = sum(len(p.token_ids) for p in self.prompts)
-        completion = sum(len(out.token_ids) for out in self.latest.values())
+        completion = sum(r.num_tokens for r in self.results.values())
         return Usage(
             prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
         )
@@ -93,7 +111,7 @@ class Generation:
         self._closed = True
         if self._unfinished:
             self._loop.abort(list(self._unfinished))
-        reasons = sorted({str(out.finish_reason) for out in self.latest.values()})
+        reasons = sorted({r.finish_reason for r in self.results.values() if r.finish_reason})
         usage = self.usage()
         log.info(
             "%s: %d choice(s), %d prompt + %d completion tokens, %s in %.2fs%s",
@@ -123,22 +141,26 @@ async def sse(
     the echoed prompt, goes before a choice's first text), the usage chunk, and `[DONE]`.
     An error after the stream started becomes an error event."""
     prefixes = dict(prefixes or {})
-    sent = {c.index: (0, 0, 0) for c in gen.choices}  # chars of out.text, tokens, chars streamed
+    streamed = {c.index: 0 for c in gen.choices}  # chars streamed per choice
+    held: dict[int, list[TokenLogprob]] = {}  # logprobs of tokens whose text is held back
     try:
         for c in first:
             yield _event(c)
         async for batch in gen.updates():
             for choice, out in batch:
-                chars, tokens, streamed = sent[choice.index]
                 prefix = prefixes.pop(choice.index, "")
-                text = prefix + out.text[chars:]
+                text = prefix + out.text
+                new = out.outputs[0].logprobs
+                if new is not None:
+                    new = held.pop(choice.index, []) + new
                 if not text and not out.finished:
-                    continue  # the new tokens' text is held back: they go with the next chunk
-                logprobs = out.outputs[0].logprobs
-                new = logprobs[tokens:] if logprobs is not None else None
+                    if new:  # no text yet (a stop string may be starting): send them later
+                        held[choice.index] = new
+                    continue
                 reason = out.finish_reason if out.finished else None
-                sent[choice.index] = (len(out.text), len(out.token_ids), streamed + len(text))
-                yield _event(chunk(choice, text, new, reason, streamed + len(prefix)))
+                start = streamed[choice.index]
+                streamed[choice.index] += len(text)
+                yield _event(chunk(choice, text, new, reason, start + len(prefix)))
         if usage_chunk is not None:
             yield _event(usage_chunk(gen.usage()))
     except APIError as e:

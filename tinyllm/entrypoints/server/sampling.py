@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from tinyllm.engine.engine import LLMEngine
-from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from tinyllm.entrypoints.server.errors import APIError, invalid_params
 from tinyllm.entrypoints.server.protocol import (
     ChatCompletionRequest,
@@ -125,7 +125,10 @@ def plan_choices(
             # With a seed, each choice gets its own, so n > 1 does not give n copies.
             seed = None if req.seed is None else req.seed + i
             index = len(choices)
-            params = dataclasses.replace(base, max_tokens=budget, seed=seed)
+            # The server streams what is new each step; it keeps the running totals itself.
+            params = dataclasses.replace(
+                base, max_tokens=budget, seed=seed, output_kind=RequestOutputKind.DELTA
+            )
             choices.append(Choice(index, prompt, f"{request_id}-{index}", params))
     return choices
 

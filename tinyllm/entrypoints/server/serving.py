@@ -114,9 +114,8 @@ class OpenAIServing:
             gen.close()
         done = []
         for c in choices:
-            out, prefix = gen.latest[c.index], echo.get(c.index, "")
-            lps = out.outputs[0].logprobs
-            done.append(choice(c, prefix + out.text, lps, out.finish_reason, len(prefix)))
+            out, prefix = gen.results[c.index], echo.get(c.index, "")
+            done.append(choice(c, prefix + out.text, out.logprobs, out.finish_reason, len(prefix)))
         return response(done, gen.usage())
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -171,8 +170,8 @@ class OpenAIServing:
             gen.close()
         done = []
         for c in choices:
-            out = gen.latest[c.index]
-            lps = out.outputs[0].logprobs
+            out = gen.results[c.index]
+            lps = out.logprobs
             done.append(
                 ChatChoice(
                     index=c.index,
