@@ -85,23 +85,23 @@ class LLM:
         else:
             params = [params or SamplingParams()] * len(prompts)
         engine = self.engine
-        for (_, ids), p in zip(prompts, params, strict=True):  # refuse before anything starts
-            engine.validate_prompt(ids, p)
         # n > 1: n engine requests per prompt, gathered back into one output. With a seed,
         # each completion gets its own, so they are not n copies.
         children: list[list[str]] = []
-        for (text, ids), p in zip(prompts, params, strict=True):
-            one = dataclasses.replace(p, n=1, output_kind=RequestOutputKind.FINAL_ONLY)
-            children.append(
-                [
-                    engine.add_request(
-                        text,
-                        one if p.seed is None else dataclasses.replace(one, seed=p.seed + i),
-                        prompt_token_ids=ids,
-                    )
-                    for i in range(p.n)
-                ]
-            )
+        try:
+            for (text, ids), p in zip(prompts, params, strict=True):
+                one = dataclasses.replace(p, n=1, output_kind=RequestOutputKind.FINAL_ONLY)
+                seeds = [None if p.seed is None else p.seed + i for i in range(p.n)]
+                children.append(
+                    [
+                        engine.add_request(text, dataclasses.replace(one, seed=seed), None, ids)
+                        for seed in seeds
+                    ]
+                )
+        except ValueError:  # one bad prompt refuses the whole call: nothing is left running
+            for request_id in (r for ids in children for r in ids):
+                engine.abort(request_id)
+            raise
         done = self._run(sum(len(c) for c in children), use_tqdm)
         return [_merge([done[r] for r in ids]) for ids in children]
 
