@@ -1,34 +1,55 @@
 // Paged attention on the CPU, reading the K/V blocks in place through the block table.
 //
-// One work item is (row, query tile, KV head): the tile's new tokens times the KV head's query
-// heads (grouped-query attention) make a small set of query vectors that share one pass over
-// the K/V tokens they can see, so each K/V tile is read from memory once per group. The pass
-// is an online softmax over tiles of kTile tokens: the scores of a tile, then their
-// exponentials in one loop the compiler vectorizes (fast_exp), then the V accumulation.
+// The step's work is cut into items that threads take as they finish (their costs differ):
+// (row, KV head) for a decode row, (row, KV head, 32 query vectors) for a prefill row. An item
+// walks the keys its queries may see in tiles of kTile tokens, each token's K and V rows found
+// through the block table, with an online softmax: a running max and sum per query, the output
+// so far rescaled whenever the max grows. Keys past a query's position are never used, so
+// whatever the scratch block and the unused slots hold cannot leak in.
+// - decode: the KV head's query heads together, so each K/V tile is read from memory once per
+//   group; a score is a dot product along the head dim, a tile's exponentials one vectorized
+//   loop (fast_exp).
+// - prefill: 32 query vectors (new tokens x the group's query heads) in the lanes of two
+//   vectors, so scores and outputs are outer products, register-blocked multiply-adds with no
+//   horizontal sums, as in a matrix multiply.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
-#include <torch/extension.h>
+#include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kTile = 32;       // K/V tokens per online-softmax step: 8 KiB of fp32 K at D=64
-constexpr int64_t kQueryTile = 16;  // new tokens of a prefill row that share one pass over K/V
+constexpr int64_t kTile = 32;   // keys per online-softmax step: 8 KiB of fp32 K at D=64
+// Floats per vector: the target's register width, as the compiler splits wider vectors badly.
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+#elif defined(__AVX__)
+constexpr int64_t kLanes = 8;
+#else
+constexpr int64_t kLanes = 4;
+#endif
+constexpr int64_t kVecs = 2;  // vectors of query vectors per prefill item
+using vfloat = float __attribute__((vector_size(kLanes * sizeof(float))));
+using Block = std::array<vfloat, kVecs>;  // one float for each of a prefill item's queries
+constexpr float kInf = std::numeric_limits<float>::infinity();
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
 // exp(x) for x <= 0 (scores minus their running max), branch-free so that a loop of it
 // vectorizes: 2^n * e^r with r in [-ln2/2, ln2/2] and Cephes' polynomial for e^r (about 1 ulp).
-// Below -87 the result is clamped to ~1e-38 instead of 0: negligible next to the sum, which
-// holds at least one e^0.
+// Below -87, -inf included, it returns ~1e-38, not 0: where an exact 0 matters (masked keys),
+// callers set it.
 inline float fast_exp(float x) {
   x = std::max(x, -87.0f);
   const float n = std::floor(x * 1.44269504f + 0.5f);
@@ -46,115 +67,278 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
-template <typename T>
+// What every item reads. kD: the head dim when it is known at compile time (loops the compiler
+// unrolls), else 0 and loops run to the runtime D.
+template <int64_t kD, typename T>
+struct Step {
+  int64_t Hq, D, bs, Hkv, G, max_blocks;
+  const T *q, *k_cache, *v_cache;
+  T* out;
+  const int64_t *tables, *lens, *starts;
+  float scale;
+
+  int64_t head_dim() const { return kD ? kD : D; }
+
+  // Pointers to the K and V rows of KV head g for a row's tokens [k0, k0 + n).
+  void rows(int64_t row, int64_t g, int64_t k0, int64_t n, const T** k, const T** v) const {
+    const int64_t* table = tables + row * max_blocks;
+    for (int64_t t = 0, b = k0 / bs, off = k0 % bs; t < n; ++t) {
+      const int64_t at = ((table[b] * bs + off) * Hkv + g) * head_dim();
+      k[t] = k_cache + at;
+      v[t] = v_cache + at;
+      if (++off == bs) off = 0, ++b;
+    }
+  }
+
+  // Into L1, every cache line of n K and V rows.
+  void prefetch(const T* const* k, const T* const* v, int64_t n) const {
+    const int64_t bytes = head_dim() * static_cast<int64_t>(sizeof(T));
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(k[t]) + b);
+        __builtin_prefetch(reinterpret_cast<const char*>(v[t]) + b);
+      }
+    }
+  }
+};
+
+// One thread's buffers, reused across its items.
+struct Scratch {
+  std::vector<float> q, out, m, l;  // decode: the group's queries (G, D), outputs, max and sum
+  std::vector<Block> qt, ot;        // prefill: queries (D) and outputs (D), a Block per dim
+};
+
+template <int64_t kD, typename T>
 inline float dot(const float* q, const T* k, int64_t D) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
-  for (int64_t d = 0; d < D; ++d) s += q[d] * to_float(k[d]);
+  for (int64_t d = 0; d < (kD ? kD : D); ++d) s += q[d] * to_float(k[d]);
   return s;
 }
 
+template <int64_t kD, typename T>
+void decode(const Step<kD, T>& c, int64_t row, int64_t g, Scratch& w) {
+  const int64_t D = c.head_dim(), G = c.G, L = c.lens[row];
+  float *qf = w.q.data(), *acc = w.out.data(), *m = w.m.data(), *l = w.l.data();
+  const T* q = c.q + (c.starts[row] * c.Hq + g * G) * D;  // the group's heads are adjacent
+  for (int64_t x = 0; x < G * D; ++x) qf[x] = to_float(q[x]) * c.scale;
+  std::fill(acc, acc + G * D, 0.f);
+  std::fill(m, m + G, -kInf);
+  std::fill(l, l + G, 0.f);
+  const T* k_tiles[2][kTile];  // this tile's rows and the next one's
+  const T* v_tiles[2][kTile];
+  float p[kTile];
+  c.rows(row, g, 0, std::min(kTile, L), k_tiles[0], v_tiles[0]);
+  for (int64_t k0 = 0, i = 0; k0 < L; k0 += kTile, i ^= 1) {
+    const int64_t cnt = std::min(kTile, L - k0), next = std::min(kTile, L - k0 - kTile);
+    const T* const* k_rows = k_tiles[i];
+    const T* const* v_rows = v_tiles[i];
+    if (next > 0) {  // ask for the next tile now, so its loads overlap this tile's arithmetic
+      c.rows(row, g, k0 + kTile, next, k_tiles[i ^ 1], v_tiles[i ^ 1]);
+      c.prefetch(k_tiles[i ^ 1], v_tiles[i ^ 1], next);
+    }
+    for (int64_t h = 0; h < G; ++h) {
+      float mx = m[h];
+      for (int64_t t = 0; t < cnt; ++t) {
+        p[t] = dot<kD>(qf + h * D, k_rows[t], D);
+        mx = std::max(mx, p[t]);
+      }
+      // The whole tile (a fixed trip count vectorizes cleanly), its tail past cnt weighing 0.
+      float sum = 0.f;
+      for (int64_t t = 0; t < kTile; ++t) {
+        p[t] = t < cnt ? fast_exp(p[t] - mx) : 0.f;
+        sum += p[t];
+      }
+      const float alpha = fast_exp(m[h] - mx);  // ~0 on the first tile, where m is -inf
+      m[h] = mx;
+      l[h] = l[h] * alpha + sum;
+      float* __restrict a = acc + h * D;
+      for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+      // Four tokens per pass: the compiler keeps `a` in memory, not registers, so this loads
+      // and stores it once per four rows of V instead of once per row.
+      int64_t t = 0;
+      for (; t + 4 <= cnt; t += 4) {
+        const T *v0 = v_rows[t], *v1 = v_rows[t + 1], *v2 = v_rows[t + 2], *v3 = v_rows[t + 3];
+        const float p0 = p[t], p1 = p[t + 1], p2 = p[t + 2], p3 = p[t + 3];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) {
+          a[d] += p0 * to_float(v0[d]) + p1 * to_float(v1[d]) + p2 * to_float(v2[d]) +
+                  p3 * to_float(v3[d]);
+        }
+      }
+      for (; t < cnt; ++t) {
+        const T* v = v_rows[t];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) a[d] += p[t] * to_float(v[d]);
+      }
+    }
+  }
+  T* out = c.out + (c.starts[row] * c.Hq + g * G) * D;
+  for (int64_t h = 0; h < G; ++h) {
+    for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<T>(acc[h * D + d] / l[h]);
+  }
+}
+
+// A prefill row's query vectors [j0, j0 + 32) of KV head g: vector j is query head
+// g * G + j % G of new token j / G, and sits in lane j % 16 of vector (j - j0) / 16.
+template <int64_t kD, typename T>
+void prefill(const Step<kD, T>& c, int64_t row, int64_t g, int64_t j0, Scratch& w) {
+  const int64_t D = c.head_dim(), G = c.G, L = c.lens[row];
+  const int64_t n = c.starts[row + 1] - c.starts[row];
+  const int64_t nj = std::min(kVecs * kLanes, n * G - j0);
+  Block* qt = w.qt.data();
+  Block* ot = w.ot.data();
+  Block limit;  // a query sees keys [0, limit): up to its own position, L - n + j / G
+  for (int64_t y = 0; y < kVecs * kLanes; ++y) {
+    const int64_t j = j0 + std::min(y, nj - 1);  // spare lanes repeat the last query
+    const T* q = c.q + ((c.starts[row] + j / G) * c.Hq + g * G + j % G) * D;
+    for (int64_t d = 0; d < D; ++d) qt[d][y / kLanes][y % kLanes] = to_float(q[d]) * c.scale;
+    limit[y / kLanes][y % kLanes] = static_cast<float>(L - n + j / G + 1);
+  }
+  std::fill(ot, ot + D, Block{});
+  Block m, l{};
+  m.fill(vfloat{} - kInf);
+  const int64_t keys = L - n + (j0 + nj - 1) / G + 1;  // what the last query sees
+  const T* k_rows[kTile];
+  const T* v_rows[kTile];
+  Block s[kTile];
+  for (int64_t k0 = 0; k0 < keys; k0 += kTile) {
+    const int64_t cnt = std::min(kTile, keys - k0);
+    c.rows(row, g, k0, cnt, k_rows, v_rows);
+    // Four keys at a time: 8 independent chains of multiply-adds in registers, 2 loads of
+    // queries and 4 of keys for every 8 of them.
+    int64_t t = 0;
+    for (; t + 4 <= cnt; t += 4) {
+      Block s0{}, s1{}, s2{}, s3{};
+      for (int64_t d = 0; d < D; ++d) {
+        const float k0d = to_float(k_rows[t][d]), k1d = to_float(k_rows[t + 1][d]);
+        const float k2d = to_float(k_rows[t + 2][d]), k3d = to_float(k_rows[t + 3][d]);
+        for (int64_t h = 0; h < kVecs; ++h) {
+          s0[h] += k0d * qt[d][h], s1[h] += k1d * qt[d][h];
+          s2[h] += k2d * qt[d][h], s3[h] += k3d * qt[d][h];
+        }
+      }
+      s[t] = s0, s[t + 1] = s1, s[t + 2] = s2, s[t + 3] = s3;
+    }
+    for (; t < cnt; ++t) {
+      Block s0{};
+      for (int64_t d = 0; d < D; ++d) {
+        for (int64_t h = 0; h < kVecs; ++h) s0[h] += to_float(k_rows[t][d]) * qt[d][h];
+      }
+      s[t] = s0;
+    }
+    Block alpha;
+    for (int64_t h = 0; h < kVecs; ++h) {
+      vfloat mx = m[h];
+      for (t = 0; t < cnt; ++t) {
+        s[t][h] = static_cast<float>(k0 + t) < limit[h] ? s[t][h] : vfloat{} - kInf;  // causal
+        mx = mx > s[t][h] ? mx : s[t][h];
+      }
+      vfloat sum{};
+      for (t = 0; t < cnt; ++t) {
+        vfloat e;
+        for (int64_t x = 0; x < kLanes; ++x) e[x] = fast_exp(s[t][h][x] - mx[x]);
+        s[t][h] = s[t][h] == -kInf ? vfloat{} : e;
+        sum += s[t][h];
+      }
+      // ~0 on the first tile, where m is -inf; every query sees key 0, so mx is finite.
+      for (int64_t x = 0; x < kLanes; ++x) alpha[h][x] = fast_exp(m[h][x] - mx[x]);
+      m[h] = mx;
+      l[h] = l[h] * alpha[h] + sum;
+    }
+    // Four dims at a time, register-blocked like the scores.
+    int64_t d = 0;
+    for (; d + 4 <= D; d += 4) {
+      Block o0, o1, o2, o3;
+      for (int64_t h = 0; h < kVecs; ++h) {
+        o0[h] = ot[d][h] * alpha[h], o1[h] = ot[d + 1][h] * alpha[h];
+        o2[h] = ot[d + 2][h] * alpha[h], o3[h] = ot[d + 3][h] * alpha[h];
+      }
+      for (t = 0; t < cnt; ++t) {
+        const float v0 = to_float(v_rows[t][d]), v1 = to_float(v_rows[t][d + 1]);
+        const float v2 = to_float(v_rows[t][d + 2]), v3 = to_float(v_rows[t][d + 3]);
+        for (int64_t h = 0; h < kVecs; ++h) {
+          o0[h] += v0 * s[t][h], o1[h] += v1 * s[t][h];
+          o2[h] += v2 * s[t][h], o3[h] += v3 * s[t][h];
+        }
+      }
+      ot[d] = o0, ot[d + 1] = o1, ot[d + 2] = o2, ot[d + 3] = o3;
+    }
+    for (; d < D; ++d) {
+      for (int64_t h = 0; h < kVecs; ++h) {
+        vfloat o = ot[d][h] * alpha[h];
+        for (t = 0; t < cnt; ++t) o += to_float(v_rows[t][d]) * s[t][h];
+        ot[d][h] = o;
+      }
+    }
+  }
+  for (int64_t y = 0; y < nj; ++y) {
+    const int64_t j = j0 + y, h = y / kLanes, x = y % kLanes;
+    T* out = c.out + ((c.starts[row] + j / G) * c.Hq + g * G + j % G) * D;
+    for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(ot[d][h][x] / l[h][x]);
+  }
+}
+
 struct Item {
-  int64_t row, first, last;  // new tokens [first, last) of the row
+  int64_t row, g, j0;  // j0: a prefill item's first query vector; -1 for a decode row
 };
 
-template <typename T>
+template <int64_t kD, typename T>
 void attend_impl(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                  const at::Tensor& v_cache, const at::Tensor& block_tables,
                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_rows,
                  double scale) {
-  const int64_t Hq = q.size(1), D = q.size(2), bs = k_cache.size(1), Hkv = k_cache.size(2);
-  const int64_t G = Hq / Hkv, max_blocks = block_tables.size(1);
-  const int64_t token_stride = Hkv * D;  // between consecutive tokens of a block
-  const T* qp = q.data_ptr<T>();
-  const T* kc = k_cache.data_ptr<T>();
-  const T* vc = v_cache.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const int64_t* starts = query_start_loc.data_ptr<int64_t>();
-
+  const int64_t Hkv = k_cache.size(2), G = q.size(1) / Hkv, D = q.size(2);
+  const Step<kD, T> c{q.size(1), D, k_cache.size(1), Hkv, G, block_tables.size(1),
+                      q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                      out.data_ptr<T>(), block_tables.data_ptr<int64_t>(),
+                      seq_lens.data_ptr<int64_t>(), query_start_loc.data_ptr<int64_t>(),
+                      static_cast<float>(scale)};
   std::vector<Item> items;
   for (int64_t r = 0; r < num_rows; ++r) {
-    const int64_t n = starts[r + 1] - starts[r];
-    for (int64_t i = 0; i < n; i += kQueryTile) items.push_back({r, i, std::min(n, i + kQueryTile)});
+    const int64_t n = c.starts[r + 1] - c.starts[r];
+    for (int64_t g = 0; g < Hkv; ++g) {
+      if (n == 1) {
+        items.push_back({r, g, -1});
+      } else {
+        for (int64_t j0 = 0; j0 < n * G; j0 += kVecs * kLanes) items.push_back({r, g, j0});
+      }
+    }
   }
-  const int64_t num_items = static_cast<int64_t>(items.size()) * Hkv;
-
-  // Items differ in cost (a decode row against a prefill tile), so threads take the next one
-  // as they finish instead of a fixed share each.
-  std::atomic<int64_t> next{0};
+  // One task per thread of torch's pool, each taking the next item until none is left.
+  std::atomic<size_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    const int64_t max_q = kQueryTile * G;
-    std::vector<float> qf(max_q * D), acc(max_q * D), m(max_q), l(max_q), p(kTile);
-    std::vector<int64_t> limit(max_q);
-    const T* k_rows[kTile];
-    const T* v_rows[kTile];
-    for (int64_t w; (w = next.fetch_add(1)) < num_items;) {
-      const Item& it = items[w / Hkv];
-      const int64_t g = w % Hkv, L = lens[it.row];
-      const int64_t n = starts[it.row + 1] - starts[it.row];
-      const int64_t nq = (it.last - it.first) * G;
-      const int64_t* table = tables + it.row * max_blocks;
-      // Query vector j is head g * G + j % G of new token first + j / G, at position
-      // L - n + first + j / G: it sees the `limit` keys up to and including that position.
-      for (int64_t j = 0; j < nq; ++j) {
-        const T* src = qp + ((starts[it.row] + it.first + j / G) * Hq + g * G + j % G) * D;
-        for (int64_t d = 0; d < D; ++d) qf[j * D + d] = to_float(src[d]) * static_cast<float>(scale);
-        limit[j] = L - n + it.first + j / G + 1;
-        m[j] = -std::numeric_limits<float>::infinity();
-        l[j] = 0.f;
-      }
-      std::fill(acc.begin(), acc.begin() + nq * D, 0.f);
-      const int64_t keys = limit[nq - 1];
-      for (int64_t k0 = 0; k0 < keys; k0 += kTile) {
-        const int64_t tl = std::min(kTile, keys - k0);
-        for (int64_t t = 0; t < tl; ++t) {
-          const int64_t pos = k0 + t;
-          const int64_t slot = (table[pos / bs] * bs + pos % bs) * token_stride + g * D;
-          k_rows[t] = kc + slot;
-          v_rows[t] = vc + slot;
-        }
-        for (int64_t j = 0; j < nq; ++j) {
-          // Keys past a query's position are never read, so nothing there can leak in.
-          const int64_t cnt = std::min(tl, limit[j] - k0);
-          if (cnt <= 0) continue;
-          const float* qj = &qf[j * D];
-          float mx = m[j];
-          for (int64_t t = 0; t < cnt; ++t) {
-            p[t] = dot(qj, k_rows[t], D);
-            mx = std::max(mx, p[t]);
-          }
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < cnt; ++t) {
-            p[t] = fast_exp(p[t] - mx);
-            sum += p[t];
-          }
-          const float alpha = std::exp(m[j] - mx);  // exp(-inf) = 0 on the first tile
-          m[j] = mx;
-          l[j] = l[j] * alpha + sum;
-          float* aj = &acc[j * D];
-          for (int64_t d = 0; d < D; ++d) aj[d] *= alpha;
-          for (int64_t t = 0; t < cnt; ++t) {
-            const T* vt = v_rows[t];
-            const float pt = p[t];
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) aj[d] += pt * to_float(vt[d]);
-          }
-        }
-      }
-      for (int64_t j = 0; j < nq; ++j) {
-        T* dst = op + ((starts[it.row] + it.first + j / G) * Hq + g * G + j % G) * D;
-        const float inv = 1.f / l[j];
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[j * D + d] * inv);
+    Scratch w{std::vector<float>(G * D), std::vector<float>(G * D), std::vector<float>(G),
+              std::vector<float>(G), std::vector<Block>(D), std::vector<Block>(D)};
+    for (size_t i; (i = next.fetch_add(1)) < items.size();) {
+      const Item& it = items[i];
+      if (it.j0 < 0) {
+        decode(c, it.row, it.g, w);
+      } else {
+        prefill(c, it.row, it.g, it.j0, w);
       }
     }
   });
 }
 
-// Attention for rows [0, num_rows) of the step into `out` (N, Hq, D); the caches hold every
-// row's context, new tokens included.
+template <typename T>
+void attend_typed(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_rows,
+                  double scale) {
+  auto run = [&](auto kD) {
+    attend_impl<decltype(kD)::value, T>(out, q, k_cache, v_cache, block_tables, seq_lens,
+                                        query_start_loc, num_rows, scale);
+  };
+  switch (q.size(2)) {  // the common head dims get unrolled loops
+    case 64: return run(std::integral_constant<int64_t, 64>{});
+    case 128: return run(std::integral_constant<int64_t, 128>{});
+    default: return run(std::integral_constant<int64_t, 0>{});
+  }
+}
+
+// Attention for rows [0, num_rows) of the step, written into out (N, Hq, D); the caches hold
+// every row's context, this step's new tokens included.
 void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
             const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
             const at::Tensor& query_start_loc, int64_t num_rows, double scale) {
@@ -162,19 +346,20 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
                               &query_start_loc}) {
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "tensors must be contiguous, on CPU");
   }
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type()
-                  && q.scalar_type() == out.scalar_type(),
-              "q, the caches and out must share one dtype");
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  for (const at::Tensor* t : {&out, &k_cache, &v_cache}) {
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "q, out and the caches must share a dtype");
+  }
   for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc}) {
     TORCH_CHECK(t->scalar_type() == at::kLong, "block tables, lengths and starts must be int64");
   }
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.size(2) == k_cache.size(3), "q and the caches must share a head dim");
   if (q.scalar_type() == at::kFloat) {
-    attend_impl<float>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                       num_rows, scale);
+    attend_typed<float>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                        num_rows, scale);
   } else if (q.scalar_type() == at::kBFloat16) {
-    attend_impl<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens,
-                               query_start_loc, num_rows, scale);
+    attend_typed<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens,
+                                query_start_loc, num_rows, scale);
   } else {
     TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
   }
@@ -182,6 +367,12 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("attend", &attend, "paged attention over the block table, in place");
+// A torch op rather than a pybind11 module: torch/library.h compiles in a fraction of the
+// time torch/extension.h takes.
+TORCH_LIBRARY(tinyllm, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int num_rows, float scale) "
+      "-> ()",
+      &attend);
 }

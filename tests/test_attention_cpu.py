@@ -1,0 +1,145 @@
+"""The CPU attention backend (a C++ kernel reading the paged blocks in place) against the
+reference backend (gather + SDPA) on random steps, and its fallbacks."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tinyllm.model.attention import cpu
+from tinyllm.model.attention.backend import AttentionMetadata
+from tinyllm.model.attention.reference import ReferenceBackend
+from tinyllm.model.attention.select import get_backend
+
+REFERENCE = ReferenceBackend()
+SPARE_BLOCKS = 3  # in the pool but in no row's table
+
+
+@pytest.fixture(scope="module")
+def backend() -> cpu.CPUBackend:
+    """The real kernel, built once (tens of seconds the first time on a machine). g++ and
+    ninja are dependencies, so a failed build is an error, not a skip."""
+    b, why = cpu.load_cpu_backend()
+    if b is None:
+        pytest.fail(why)
+    return b
+
+
+@st.composite
+def steps(draw) -> dict:
+    """A step's shapes: decode rows first, then prefill rows (a chunk of new tokens after
+    `earlier` tokens already in the cache, none for a first chunk); lengths anywhere in a block
+    or exactly on a block boundary."""
+    bs = draw(st.sampled_from([1, 2, 4, 16]))
+
+    def tokens(lo: int, hi: int) -> st.SearchStrategy[int]:
+        """A count in [lo, hi]: any, or a whole number of blocks."""
+        return st.integers(lo, hi) | st.integers(math.ceil(lo / bs), hi // bs).map(lambda b: b * bs)
+
+    decodes = draw(st.lists(tokens(1, 70), max_size=4))
+    prefills = []
+    for earlier in draw(st.lists(tokens(0, 50), max_size=3)):
+        end = draw(tokens(earlier + 2, earlier + 40))
+        prefills.append((end, end - earlier))
+    rows = [(L, 1) for L in decodes] + prefills
+    if not rows:
+        rows = [(draw(tokens(1, 70)), 1)]
+    Hq, Hkv = draw(st.sampled_from([(1, 1), (4, 2), (9, 3)]))
+    D = draw(st.sampled_from([6, 8, 64, 128]))  # 64 and 128 take the unrolled paths
+    return dict(rows=rows, bs=bs, Hq=Hq, Hkv=Hkv, D=D, seed=draw(st.integers(0, 2**31)))
+
+
+def build(rows, bs, Hq, Hkv, D, seed, dtype=torch.float32):
+    """q, k, v, the caches and the metadata of a step whose rows are (context length, new
+    tokens); the new tokens' K/V are already in the caches, as `forward` leaves them. Each row
+    gets shuffled distinct blocks; tables are padded with the scratch block. Also returns a
+    mask of the cache slots that hold no row's context."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = [math.ceil(L / bs) for L, _ in rows]
+    pool = sum(counts) + SPARE_BLOCKS
+    scratch = pool  # the last block
+    tables = torch.full((len(rows), max(counts) + 1), scratch)
+    unused = torch.ones(pool + 1, bs, dtype=torch.bool)
+    slots = []
+    for r, ids in enumerate(torch.randperm(pool, generator=gen)[: sum(counts)].split(counts)):
+        L, n = rows[r]
+        tables[r, : len(ids)] = ids
+        pos = torch.arange(L)
+        unused[ids[pos // bs], pos % bs] = False
+        slots.append(ids[pos[L - n :] // bs] * bs + pos[L - n :] % bs)
+    slot_mapping = torch.cat(slots)
+    # K and V drawn independently: reading one in place of the other changes the output.
+    k_cache = torch.randn(pool + 1, bs, Hkv, D, generator=gen).to(dtype)
+    v_cache = torch.randn(pool + 1, bs, Hkv, D, generator=gen).to(dtype)
+    q = torch.randn(len(slot_mapping), Hq, D, generator=gen).to(dtype)
+    k = k_cache.view(-1, Hkv, D)[slot_mapping]
+    v = v_cache.view(-1, Hkv, D)[slot_mapping]
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        block_tables=tables,
+        seq_lens=torch.tensor([L for L, _ in rows]),
+        query_start_loc=torch.tensor([0] + [n for _, n in rows]).cumsum(0),
+        num_decodes=sum(n == 1 for _, n in rows),
+        seq_lens_cpu=[L for L, _ in rows],
+        query_lens_cpu=[n for _, n in rows],
+    )
+    return (q, k, v, k_cache, v_cache, meta), unused
+
+
+@settings(max_examples=80, deadline=None)
+@given(step=steps(), garbage=st.sampled_from([float("nan"), float("inf"), 1e30]))
+def test_matches_reference_and_ignores_unused_slots(backend, step, garbage):
+    args, unused = build(**step)
+    scale = step["D"] ** -0.5
+    out = backend.attend(*args, scale=scale)
+    torch.testing.assert_close(out, REFERENCE.attend(*args, scale=scale), rtol=1e-5, atol=1e-5)
+    # Whatever the scratch block, spare blocks and slots past each row's length hold, the
+    # output is the same, bit for bit.
+    q, k, v, k_cache, v_cache, meta = args
+    k_cache[unused] = garbage
+    v_cache[unused] = -garbage
+    assert torch.equal(backend.attend(q, k, v, k_cache, v_cache, meta, scale), out)
+
+
+@settings(max_examples=15, deadline=None)
+@given(step=steps())
+def test_bf16_accumulates_in_fp32(backend, step):
+    """bf16 in and out: within bf16's rounding of the fp32 answer on the same values."""
+    args, _ = build(**step, dtype=torch.bfloat16)
+    scale = step["D"] ** -0.5
+    out = backend.attend(*args, scale=scale)
+    assert out.dtype == torch.bfloat16
+    as_fp32 = [a.float() for a in args[:5]]
+    expected = REFERENCE.attend(*as_fp32, args[5], scale=scale)
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
+
+
+def test_other_dtypes_use_the_reference(backend):
+    args, _ = build([(20, 1), (30, 12)], 4, 4, 2, 8, seed=0, dtype=torch.float16)
+    assert torch.equal(backend.attend(*args, scale=0.3), REFERENCE.attend(*args, scale=0.3))
+
+
+def test_a_failed_build_is_reported_not_raised(monkeypatch):
+    def fail():
+        raise RuntimeError(
+            "Error building extension 'x': [1/2] c++ -O3 -c cpu_kernel.cpp\n"
+            "cpu_kernel.cpp:1:1: error: expected declaration\n"
+        )
+
+    monkeypatch.setattr(cpu, "_kernel", fail)
+    backend, why = cpu.load_cpu_backend()
+    assert backend is None
+    assert why.endswith("cpu_kernel.cpp:1:1: error: expected declaration")
+    assert isinstance(get_backend("auto", torch.device("cpu")), ReferenceBackend)
+    with pytest.raises(ValueError, match="error: expected declaration"):
+        get_backend("cpu", torch.device("cpu"))
+
+
+def test_a_missing_compiler_is_reported_not_raised(monkeypatch):
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    monkeypatch.setattr(cpu, "_kernel", cpu._compile)  # uncached: really try to build
+    backend, why = cpu.load_cpu_backend()
+    assert backend is None
+    assert "no C++ compiler" in why and "/nonexistent/c++" in why
