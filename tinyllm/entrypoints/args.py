@@ -31,8 +31,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=None,
-        help="tokens one engine step may run (decode tokens plus prefill chunks)",
+        default=512,
+        help="tokens one engine step may run (decode tokens plus prefill chunks); a longer "
+        "prompt is prefilled in chunks (default: 512)",
+    )
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "reference", "cpu", "cuda"],
+        help="auto: the in-place kernel for the device, else the reference gather + SDPA",
     )
     p.add_argument(
         "--threads",
@@ -62,11 +69,8 @@ def build_llm(args: argparse.Namespace):
         num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
-        **(
-            {"max_num_batched_tokens": args.max_num_batched_tokens}
-            if args.max_num_batched_tokens is not None
-            else {}
-        ),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        attention_backend=args.attention_backend,
     )
 
 
