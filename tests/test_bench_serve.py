@@ -3,23 +3,20 @@ counts, failures and stalls the test knows, then against the real server on the 
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import random
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from tests.http_server import serving
 from tinyllm.entrypoints.bench.args import add_bench_args
 from tinyllm.entrypoints.bench.serve import arrival_times
 from tinyllm.entrypoints.server.app import create_app
@@ -35,24 +32,6 @@ GAP = 0.005
 TOO_LONG = 480
 LONG = 1000
 STALL = 0.4
-
-
-@contextlib.contextmanager
-def serving(app) -> Iterator[str]:
-    """Run `app` under uvicorn on 127.0.0.1 in a thread; yields its base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 def scripted_app(state: SimpleNamespace) -> FastAPI:

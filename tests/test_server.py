@@ -4,18 +4,16 @@ exactly LLM.generate's greedy answer; batched ones may only differ at a near-tie
 """
 
 import asyncio
-import contextlib
-import threading
 import time
 from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.greedy import assert_greedy_close
+from tests.http_server import serving
 from tinyllm import SamplingParams
 from tinyllm.engine.engine import EngineStats
 from tinyllm.entrypoints.server.app import create_app
@@ -42,24 +40,6 @@ TOP = 5  # logprobs asked for where batching could flip a near-tie
 
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=TOP)
-
-
-@contextlib.contextmanager
-def serving(app):
-    """Run `app` under uvicorn on 127.0.0.1 in a thread; yields its base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 @pytest.fixture(scope="module")
