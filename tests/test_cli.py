@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.slow
 
@@ -71,3 +72,15 @@ def test_corrupt_gguf_is_one_line(tmp_path):
     r = _tinyllm("generate", "hi", "--model", str(bad))
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "broken.gguf" in r.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible here")
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [("cuda", "device 'cuda': this torch is a CPU-only build"), ("gpu", "unknown device 'gpu'")],
+)
+def test_an_unusable_device_is_one_line_before_loading(device, message):
+    r = _tinyllm("generate", "Hi", "--device", device)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"tinyllm: error: {message}") and "use cpu" in last, r.stderr

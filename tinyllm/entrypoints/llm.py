@@ -27,6 +27,27 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return DTYPES[dtype]
 
 
+def resolve_device(device: str | None) -> torch.device:
+    """cuda when torch sees a GPU, else cpu; a device this torch cannot use is an error that
+    says so before anything loads."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(
+            f"unknown device {device!r}: use cpu or cuda (cuda:N for one GPU)"
+        ) from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: tinyllm runs on cpu or cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        why = (
+            "this torch is a CPU-only build" if torch.version.cuda is None else "no GPU is visible"
+        )
+        raise ValueError(f"device {device!r}: {why}; use cpu")
+    return dev
+
+
 class LLM:
     def __init__(
         self,
@@ -35,7 +56,7 @@ class LLM:
         device: str | None = None,
         **engine_args,
     ):
-        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
         loaded = load_model(model, dtype=torch_dtype)
         with torch.device("meta"):
