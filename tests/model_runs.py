@@ -17,7 +17,7 @@ def prompt_logits(model: Transformer, prompts: list[list[int]], block_size: int 
     kv = KVCacheManager(sum(math.ceil(len(p) / block_size) for p in prompts), block_size)
     runner = ModelRunner(model, kv.num_blocks, block_size, ReferenceBackend())
     requests = [
-        Request(str(i), p, SamplingParams(max_tokens=1), 1, [], seed=0, arrival_time=0.0)
+        Request(str(i), p, SamplingParams(max_tokens=1), 1, [], seed=0)
         for i, p in enumerate(prompts)
     ]
     for r in requests:

@@ -23,7 +23,6 @@ def make_request(request_id: str = "r", prompt_len: int = 1) -> Request:
         16,
         eos_token_ids=[],
         seed=0,
-        arrival_time=0.0,
     )
 
 

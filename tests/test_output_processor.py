@@ -61,7 +61,7 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(tok):
 
 def _request(**kw) -> Request:
     params = SamplingParams(**kw)
-    return Request("r", [1, 7], params, params.max_tokens, [0], seed=0, arrival_time=0.0)
+    return Request("r", [1, 7], params, params.max_tokens, [0], seed=0)
 
 
 def test_eos_stop_token_and_length():

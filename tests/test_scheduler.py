@@ -25,7 +25,6 @@ def make_request(request_id: str, prompt_len: int, max_tokens: int = 100) -> Req
         max_tokens,
         eos_token_ids=[],
         seed=0,
-        arrival_time=0.0,
     )
 
 

@@ -9,7 +9,6 @@ the output processor turns the new tokens into text and outputs.
 import itertools
 import logging
 import random
-import time
 from dataclasses import dataclass
 
 from tinyllm.engine.config import EngineConfig
@@ -139,7 +138,6 @@ class LLMEngine:
             max_tokens,
             self.tokenizer.eos_token_ids,
             seed=self._rng.getrandbits(63),
-            arrival_time=time.monotonic(),
         )
         self.requests[request_id] = request
         self.output_processor.add_request(request_id, text, request.prompt_token_ids, params)
@@ -151,7 +149,7 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None:
             return None
-        outputs = self._finish([request], TokenUpdate(request_id, None, None, "abort"))
+        outputs = self._finish(request, TokenUpdate(request_id, None, None, "abort"))
         return outputs[0] if outputs else None
 
     def has_unfinished(self) -> bool:
@@ -182,7 +180,7 @@ class LLMEngine:
                 f"holds {self.kv.capacity_tokens} (max_model_len {self.max_model_len})"
             )
             update = TokenUpdate(request.request_id, None, None, "error", error=error)
-            outputs += self._finish([request], update)
+            outputs += self._finish(request, update)
         if not out.scheduled:
             return outputs
         sampled = self.runner.execute(out.scheduled)
@@ -215,10 +213,10 @@ class LLMEngine:
         self.prompt_tokens += max(0, min(end, request.num_prompt_tokens) - start - redone)
         request.num_ever_computed = max(request.num_ever_computed, end)
 
-    def _finish(self, requests: list[Request], update: TokenUpdate) -> list[RequestOutput]:
-        for request in requests:
-            request.finish_reason = update.finish_reason
-            self._release(request)
+    def _finish(self, request: Request, update: TokenUpdate) -> list[RequestOutput]:
+        """End a request that gets no new token (aborted, refused): its final output."""
+        request.finish_reason = update.finish_reason
+        self._release(request)
         return self.output_processor.process([update])[0]
 
     def _release(self, request: Request) -> None:

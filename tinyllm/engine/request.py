@@ -26,7 +26,6 @@ class Request:
         max_tokens: int,
         eos_token_ids: list[int],
         seed: int,
-        arrival_time: float,
     ):
         self.request_id, self.params = request_id, params
         self.prompt_token_ids = list(prompt_token_ids)
@@ -40,7 +39,6 @@ class Request:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
-        self.arrival_time = arrival_time
         self._stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             self._stop_ids.update(eos_token_ids)
