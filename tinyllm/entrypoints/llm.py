@@ -1,6 +1,7 @@
 """The offline Python API: `LLM(model).generate(prompts, params)`, as vLLM users know it."""
 
 import dataclasses
+import logging
 import time
 
 import torch
@@ -10,8 +11,13 @@ from tinyllm.engine.config import EngineConfig
 from tinyllm.engine.engine import LLMEngine
 from tinyllm.engine.outputs import RequestOutput
 from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
+from tinyllm.entrypoints.generation_config import check_generation_config, default_sampling
+from tinyllm.entrypoints.threads import set_threads, warn_if_oversubscribed
 from tinyllm.loaders.source import load_model
+from tinyllm.model.config import ModelLoadError
 from tinyllm.model.llama import Transformer
+
+log = logging.getLogger("tinyllm")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,17 +60,44 @@ class LLM:
         model: str | None = None,
         dtype: str | torch.dtype | None = None,
         device: str | None = None,
+        threads: int | None = None,
+        generation_config: str = "auto",
         **engine_args,
     ):
+        """`threads`: torch's CPU threads (None: torch's own choice, OMP_NUM_THREADS if set).
+        `generation_config`: "auto" for the model's recommended sampling defaults (see
+        get_default_sampling_params), "vllm" for SamplingParams' neutral ones."""
         dev = resolve_device(device)
+        check_generation_config(generation_config)
+        if threads is not None:
+            set_threads(threads)
+        if dev.type == "cpu":
+            warn_if_oversubscribed(torch.get_num_threads())
         torch_dtype = resolve_dtype(dtype, dev)
+        start = time.perf_counter()
         loaded = load_model(model, dtype=torch_dtype)
         with torch.device("meta"):
             net = Transformer(loaded.config)
         net.load_weights({k: v.to(dev, torch_dtype) for k, v in loaded.weights.items()})
+        _log_loaded(loaded.name, loaded.weights.values(), net, time.perf_counter() - start)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
+        self.default_sampling = default_sampling(generation_config, loaded.path)
+        try:
+            self.get_default_sampling_params()
+        except ValueError as e:
+            raise ModelLoadError(
+                f"{loaded.path}: its recommended sampling settings are invalid ({e}); "
+                "use generation_config='vllm' (--generation-config vllm)"
+            ) from None
         self.engine = LLMEngine(net.eval(), loaded.tokenizer, EngineConfig(**engine_args))
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate and chat use when given no SamplingParams: the model's recommended
+        settings under generation_config="auto" (tinyllm.entrypoints.generation_config says
+        which). To change one field and keep the rest:
+        `dataclasses.replace(llm.get_default_sampling_params(), temperature=0.7)`."""
+        return SamplingParams(**self.default_sampling)
 
     def generate(
         self,
@@ -104,7 +137,7 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         else:
-            params = [params or SamplingParams()] * len(prompts)
+            params = [params or self.get_default_sampling_params()] * len(prompts)
         engine = self.engine
         # n > 1: n engine requests per prompt, gathered back into one output. With a seed,
         # each completion gets its own, so they are not n copies.
@@ -139,6 +172,23 @@ class LLM:
             bar.set_postfix(tok_s=f"{rate:.1f}")
         bar.close()
         return done
+
+
+def _log_loaded(name: str, checkpoint, net: torch.nn.Module, seconds: float) -> None:
+    # Parameters as the checkpoint counts them; bytes as they sit in memory (dtype, packing).
+    params = sum(t.numel() for t in checkpoint)
+    tensors = [*net.parameters(), *net.buffers()]
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    weight = next(net.parameters())
+    log.info(
+        "loaded %s: %.1fM parameters, %.0f MB of %s on %s, in %.1f s",
+        name,
+        params / 1e6,
+        size / 1e6,
+        str(weight.dtype).removeprefix("torch."),
+        weight.device,
+        seconds,
+    )
 
 
 def _merge(outputs: list[RequestOutput]) -> RequestOutput:

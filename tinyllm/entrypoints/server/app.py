@@ -136,7 +136,17 @@ def serve(args: argparse.Namespace) -> None:
     from tinyllm.entrypoints.args import build_llm
 
     logging.getLogger("tinyllm.server").setLevel(logging.INFO)
-    app = create_app(build_llm(args), api_key=args.api_key)
+    llm = build_llm(args)
+    app = create_app(llm, api_key=args.api_key)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    where = f"http://{host}:{args.port}" if args.port else f"a free port on {args.host}"
+    log.info(
+        "serving %s (context %d tokens) on %s: OpenAI API under /v1, also /health and /metrics; %s",
+        llm.model_name,
+        llm.engine.max_model_len,
+        where,
+        "API key required" if args.api_key else "no API key",
+    )
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         log.warning("serving on %s without an API key: whoever reaches it can use it", args.host)
     # Our handlers log one line per request; uvicorn's access log would be a second. On Ctrl-C,

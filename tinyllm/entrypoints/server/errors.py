@@ -61,6 +61,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid value')}", loc[0] if loc else None
 
 
+def _sent_json(request: Request) -> bool:
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    return media_type == "application/json" or media_type.endswith("+json")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -70,6 +75,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI answers 422; OpenAI (and its clients) expect 400 for a bad body.
+        if not _sent_json(request):  # FastAPI did not parse it: say why, not what pydantic saw
+            got = request.headers.get("content-type") or "none"
+            message = f"send the body as JSON with Content-Type: application/json (got {got})"
+            return await api_error(request, APIError(400, message))
         message, param = _validation_message(exc)
         return await api_error(request, APIError(400, message, param=param))
 

@@ -90,12 +90,14 @@ def plan_choices(
     max_tokens: int | None,
     default_max_tokens: int | None,
     logprobs: int | None,
+    defaults: SamplingParams,
     max_tokens_param: str = "max_tokens",
 ) -> list[Choice]:
-    """n choices per prompt, numbered prompt by prompt. `default_max_tokens` None: fill the
+    """n choices per prompt, numbered prompt by prompt. A field the request leaves out takes its
+    value from `defaults` (the model's recommended settings). `default_max_tokens` None: fill the
     context; an explicit `max_tokens` that does not fit it is an error, a default is cut to fit."""
     vocab = engine.model.config.vocab_size
-    base = _params(req, 1 if max_tokens is None else max_tokens, logprobs, vocab)
+    base = _params(req, 1 if max_tokens is None else max_tokens, logprobs, vocab, defaults)
     limit, n = engine.max_model_len, req.n or 1
     if len(prompts) * n > MAX_CHOICES:
         raise APIError(
@@ -134,27 +136,27 @@ def plan_choices(
 
 
 def _params(
-    req: SamplingRequest, max_tokens: int, logprobs: int | None, vocab: int
+    req: SamplingRequest, max_tokens: int, logprobs: int | None, vocab: int, d: SamplingParams
 ) -> SamplingParams:
     def pick(value, default):
         return default if value is None else value
 
-    top_k = pick(req.top_k, 0)
+    top_k = pick(req.top_k, d.top_k)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=pick(req.temperature, 1.0),
+            temperature=pick(req.temperature, d.temperature),
             # Past the vocabulary top_k cuts nothing, and a huge one would overflow in torch.
             top_k=0 if top_k >= vocab else top_k,
-            top_p=pick(req.top_p, 1.0),
-            min_p=pick(req.min_p, 0.0),
+            top_p=pick(req.top_p, d.top_p),
+            min_p=pick(req.min_p, d.min_p),
             seed=req.seed,
-            stop=pick(req.stop, []),
-            stop_token_ids=pick(req.stop_token_ids, []),
-            ignore_eos=pick(req.ignore_eos, False),
-            repetition_penalty=pick(req.repetition_penalty, 1.0),
-            presence_penalty=pick(req.presence_penalty, 0.0),
-            frequency_penalty=pick(req.frequency_penalty, 0.0),
+            stop=pick(req.stop, d.stop),
+            stop_token_ids=pick(req.stop_token_ids, d.stop_token_ids),
+            ignore_eos=pick(req.ignore_eos, d.ignore_eos),
+            repetition_penalty=pick(req.repetition_penalty, d.repetition_penalty),
+            presence_penalty=pick(req.presence_penalty, d.presence_penalty),
+            frequency_penalty=pick(req.frequency_penalty, d.frequency_penalty),
             logprobs=logprobs,
             logit_bias=_logit_bias(req.logit_bias or {}, vocab),
         )

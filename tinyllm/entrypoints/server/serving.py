@@ -48,6 +48,10 @@ class OpenAIServing:
     def __init__(self, llm: LLM, engine_loop: EngineLoop) -> None:
         self.engine, self.tokenizer, self.model_name = llm.engine, llm.tokenizer, llm.model_name
         self.loop = engine_loop
+        # A field a request leaves out: the model's recommended value (--generation-config
+        # auto), else OpenAI's defaults, which SamplingParams' neutral values are.
+        self.defaults = llm.get_default_sampling_params()
+        self.default_max_tokens = llm.default_sampling.get("max_tokens")
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -79,8 +83,9 @@ class OpenAIServing:
             req,
             prompts,
             req.max_tokens,
-            COMPLETION_MAX_TOKENS,
+            self.default_max_tokens or COMPLETION_MAX_TOKENS,
             req.logprobs,
+            self.defaults,
         )
         created = int(time.time())
         echo = {c.index: self._prompt_text(c.prompt) for c in choices} if req.echo else {}
@@ -129,7 +134,15 @@ class OpenAIServing:
         prompt = await run_in_threadpool(chat_prompt, self.tokenizer, req.messages)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         choices = plan_choices(
-            self.engine, request_id, req, [prompt], max_tokens, None, logprobs, param
+            self.engine,
+            request_id,
+            req,
+            [prompt],
+            max_tokens,
+            self.default_max_tokens,
+            logprobs,
+            self.defaults,
+            param,
         )
         created = int(time.time())
 

@@ -1,0 +1,99 @@
+"""The command line before any model loads: help for every option, usage errors named as typed
+(status 2, no traceback), and the prefill progress bar of `stream`."""
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+
+from tinyllm.engine.config import EngineConfig
+from tinyllm.engine.engine import LLMEngine
+from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.entrypoints import cli
+
+
+def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [
+        a for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)
+    ]
+
+
+def test_every_option_of_every_command_has_help_and_its_default():
+    parsers = list(cli.iter_parsers(cli.build_parser()))
+    names = {p.prog for p in parsers}
+    assert {"tinyllm generate", "tinyllm serve", "tinyllm bench offline-small"} <= names
+    for parser in parsers:
+        text = parser.format_help()
+        assert "(default: None)" not in text, parser.prog  # None must be said in words
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):  # each command has a help line
+                assert all(c.help for c in action._choices_actions), parser.prog
+            else:
+                assert action.help, f"{parser.prog} {action.option_strings or action.dest}"
+        for action in _options(parser):
+            if action.default is not None:
+                formatted = parser._get_formatter()._get_help_string(action)
+                assert "default" in formatted, f"{parser.prog} {action.option_strings}"
+
+
+def test_bench_lists_its_workloads():
+    text = cli.build_parser().format_help()
+    assert all(w in text for w in ("offline-small", "shared-prefix", "single", "serve"))
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["generate", "Hi", "--temperature", "-1"], "argument --temperature: must be in [0, 100]"),
+        (["generate", "Hi", "--max-tokens", "0"], "argument --max-tokens: must be an integer >= 1"),
+        (["generate", "Hi", "--top-p", "2"], "argument --top-p: must be in (0, 1], got 2"),
+        (["generate", "Hi", "--top-k", "many"], "argument --top-k: 'many' is not an integer"),
+        (["chat", "--temperature", "hot"], "argument --temperature: 'hot' is not a number"),
+        (["generate", "Hi", "--threads", "0"], "argument --threads: must be >= 1, got 0"),
+        (["serve", "--port", "70000"], "argument --port: '70000' is not a port number"),
+        (["serve", "--block-size", "0"], "argument --block-size: must be >= 1, got 0"),
+        (["generate", "Hi", "--generation-config", "hf"], "argument --generation-config"),
+    ],
+)
+def test_bad_flags_are_usage_errors_before_loading(monkeypatch, capsys, args, named):
+    monkeypatch.setattr(cli, "build_llm", lambda args: pytest.fail("the model loaded"))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(args)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"tinyllm {args[0]}: error: {named}"), err
+
+
+class _Bar:
+    """Stands in for tqdm: records each bar and how far it got."""
+
+    made: list["_Bar"] = []
+
+    def __init__(self, total: int, **kwargs) -> None:
+        self.total, self.n, self.updates, self.closed = total, 0, [], False
+        _Bar.made.append(self)
+
+    def update(self, n: int) -> None:
+        self.n += n
+        self.updates.append(self.n)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize(("prompt_len", "bars"), [(40, 1), (16, 0)])
+def test_a_long_prompt_shows_prefill_progress(tiny, monkeypatch, capsys, prompt_len, bars):
+    """At 4 tokens a step, 40 prompt tokens take 10 steps: a bar that counts them; 16 tokens
+    (4 steps) are quick enough to need none."""
+    model, tokenizer = tiny
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=16, max_num_batched_tokens=4))
+    monkeypatch.setattr(cli, "tqdm", _Bar)
+    _Bar.made = []
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    cli.stream(SimpleNamespace(engine=engine), [5] * prompt_len, params)
+    assert len(_Bar.made) == bars
+    if bars:
+        [bar] = _Bar.made
+        assert bar.total == prompt_len and bar.closed
+        assert bar.updates[:3] == [4, 8, 12] and bar.updates[-1] == prompt_len
