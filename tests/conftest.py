@@ -1,3 +1,5 @@
+import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -39,3 +41,45 @@ def tiny():
     backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
     backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     return model.eval(), Tokenizer(backend, bos_token_id=None, eos_token_ids=[1])
+
+class ModuleLines:
+    """Under -q (README's and CI's command), one line per test module instead of bare dots: its
+    name as it starts, then its counts and time, so a long run on a loaded machine shows where
+    it is and which modules are slow."""
+
+    def __init__(self, terminal) -> None:
+        self.tw = terminal._tw
+        self.module: str | None = None
+        self.start = 0.0
+        self.counts: Counter[str] = Counter()
+
+    def pytest_runtest_logstart(self, nodeid: str) -> None:
+        module = nodeid.split("::")[0]
+        if module != self.module:
+            self.finish()
+            if self.tw.width_of_current_line:
+                self.tw.line()
+            self.tw.write(f"{module} ", flush=True)
+            self.module, self.start, self.counts = module, time.monotonic(), Counter()
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        # A test counts once: its call, or the setup or teardown that failed or skipped it.
+        if report.when == "call" or report.outcome != "passed":
+            self.counts[report.outcome] += 1
+
+    def pytest_sessionfinish(self) -> None:
+        self.finish()
+
+    def finish(self) -> None:
+        if self.module is None:
+            return
+        counts = ", ".join(f"{n} {outcome}" for outcome, n in sorted(self.counts.items()))
+        self.tw.line(f" {counts} in {time.monotonic() - self.start:.1f} s")
+        self.module = None
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own terminal reporter is registered
+def pytest_configure(config: pytest.Config) -> None:
+    terminal = config.pluginmanager.get_plugin("terminalreporter")
+    if terminal is not None and config.get_verbosity() == -1:
+        config.pluginmanager.register(ModuleLines(terminal), "tinyllm-module-lines")
