@@ -42,6 +42,7 @@ def tiny():
     backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     return model.eval(), Tokenizer(backend, bos_token_id=None, eos_token_ids=[1])
 
+
 class ModuleLines:
     """Under -q (README's and CI's command), one line per test module instead of bare dots: its
     name as it starts, then its counts and time, so a long run on a loaded machine shows where
