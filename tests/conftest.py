@@ -26,7 +26,14 @@ def default_llm(default_gguf_path):
     """The default model loaded once for every test that runs it (engines can share it)."""
     from tinyllm import LLM
 
-    return LLM(str(default_gguf_path), num_blocks=1024, max_model_len=2048)
+    # fp32 dense weights: the tests compare its greedy tokens with transformers on the same file.
+    return LLM(
+        str(default_gguf_path),
+        dtype="float32",
+        quantization="none",
+        num_blocks=1024,
+        max_model_len=2048,
+    )
 
 
 @pytest.fixture(scope="session")

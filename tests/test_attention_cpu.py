@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tinyllm.model import cpu_library
 from tinyllm.model.attention import cpu
 from tinyllm.model.attention.backend import AttentionMetadata
 from tinyllm.model.attention.reference import ReferenceBackend
@@ -139,7 +140,10 @@ def test_a_failed_build_is_reported_not_raised(monkeypatch):
 
 def test_a_missing_compiler_is_reported_not_raised(monkeypatch):
     monkeypatch.setenv("CXX", "/nonexistent/c++")
-    monkeypatch.setattr(cpu, "_kernel", cpu._compile)  # uncached: really try to build
-    backend, why = cpu.load_cpu_backend()
+    cpu_library.library_error.cache_clear()  # really try to build, then forget the outcome
+    try:
+        backend, why = cpu.load_cpu_backend()
+    finally:
+        cpu_library.library_error.cache_clear()
     assert backend is None
     assert "no C++ compiler" in why and "/nonexistent/c++" in why

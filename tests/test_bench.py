@@ -1,6 +1,7 @@
 """The benchmark workloads and `tinyllm bench` as a user runs it."""
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ from tinyllm.entrypoints import llm as llm_module
 from tinyllm.entrypoints.args import build_llm, default_threads
 from tinyllm.entrypoints.bench.args import add_bench_args
 from tinyllm.entrypoints.bench.machine import Machine
+from tinyllm.entrypoints.bench.offline import weight_bytes_per_token
 from tinyllm.entrypoints.bench.report import (
     PLOT_DPI,
     PLOT_SIZE,
@@ -66,7 +68,32 @@ def test_engine_flags_reach_the_llm(monkeypatch):
 def _result() -> OfflineResult:
     machine = Machine("cpu", 2, "AVX2", gemm_flops=100e9, copy_bandwidth=20e9)
     runs = [Run("tinyllm", 4, 600, 200, 10.0), Run("transformers", 4, 600, 200, 25.0)]
-    return OfflineResult("offline-small", 7, runs, 500e9, 2**29, machine, {"threads": None})
+    weights = "int4 weights, bfloat16 activations"
+    return OfflineResult(
+        "offline-small", 7, runs, 500e9, 2**29, weights, machine, {"threads": None}
+    )
+
+
+def test_summary_says_how_the_weights_ran_and_their_bandwidth_bound():
+    res = _result()
+    assert res.bandwidth_bound == pytest.approx(20e9 / 2**29)  # 37.3 steps/s
+    text = summary(res)
+    assert "int4 weights, bfloat16 activations, 512 MiB of weights read per decode step" in text
+    assert "at most 37 steps/s" in text
+    one = dataclasses.replace(res, runs=[Run("tinyllm", 1, 128, 256, 10.0)])
+    # 25.6 tok/s of a 37.25 steps/s bound
+    assert (
+        summary(one).splitlines()[-1]
+        == "single stream: tinyllm 25.6 tok/s, 69% of the bandwidth bound"
+    )
+
+
+def test_weight_bytes_per_token_counts_weights_as_stored(tiny):
+    model, _ = tiny
+    dense = sum(p.numel() * 4 for p in model.parameters())
+    table = model.model.embed_tokens.weight.numel() * 4
+    assert model.config.tie_word_embeddings is False
+    assert weight_bytes_per_token(model) == dense - table  # the table is read a row a token
 
 
 def test_json_has_the_rates_and_their_ratio():
@@ -119,6 +146,7 @@ def test_bench_reports_both_engines_in_table_json_and_plot(tmp_path):
     output = sum(q.max_tokens for q in requests)
     assert (res["requests"], res["prompt_tokens"], res["output_tokens"]) == (1, prompt, output)
     assert res["machine"]["threads"] == 1
+    assert res["weights"] == "int4 weights, bfloat16 activations"  # the default model's auto
     t, b = res["tinyllm"], res["baseline"]
     assert t["output_tokens_per_s"] * t["seconds"] == pytest.approx(output)
     assert b["total_tokens_per_s"] * b["seconds"] == pytest.approx(prompt + output)

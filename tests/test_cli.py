@@ -30,8 +30,8 @@ def test_generate_answers_and_summarises():
     assert "generated" in summary and "tok/s" in summary and "finish: stop" in summary
     # Loading says what it loaded, how big, where and how long it took.
     assert re.search(
-        r"INFO tinyllm: loaded SmolLM2-135M-Instruct\.Q4_1: 134\.5M parameters, \d+ MB of "
-        r"\w+ on cpu, in \d+\.\d s",
+        r"INFO tinyllm: loaded SmolLM2-135M-Instruct\.Q4_1: 134\.5M parameters, \d+ MB "
+        r"resident \(int4 weights, bfloat16 activations\) on cpu, in \d+\.\d s",
         r.stderr,
     ), r.stderr
 

@@ -81,7 +81,7 @@ class LLMEngine:
             model.config.max_position_embeddings,
         )
         self.kv = build_kv_cache_manager(model, config, self.max_model_len)
-        backend = get_backend(config.attention_backend, model.lm_head.weight.device)
+        backend = get_backend(config.attention_backend, model.device)
         self.runner = ModelRunner(model, self.kv.num_blocks, self.kv.block_size, backend)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.output_processor = OutputProcessor(tokenizer)

@@ -30,8 +30,8 @@ class StepBatch:
 
 
 def kv_bytes_per_token(model: Transformer) -> int:
-    c, w = model.config, model.lm_head.weight
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * w.element_size()
+    c = model.config
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
 
 
 class ModelRunner:
@@ -39,14 +39,14 @@ class ModelRunner:
         self, model: Transformer, num_blocks: int, block_size: int, backend: AttentionBackend
     ):
         self.model, self.backend, self.block_size = model, backend, block_size
-        c, w = model.config, model.lm_head.weight
-        self.device = w.device
+        c = model.config
+        self.device = model.device
         self.scratch = num_blocks
         shape = (num_blocks + 1, block_size, c.num_kv_heads, c.head_dim)
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=w.dtype, device=self.device),
-                torch.zeros(shape, dtype=w.dtype, device=self.device),
+                torch.zeros(shape, dtype=model.dtype, device=self.device),
+                torch.zeros(shape, dtype=model.dtype, device=self.device),
             )
             for _ in range(c.num_layers)
         ]

@@ -28,7 +28,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="weights and activations; auto: float32 on CPU, bfloat16 on CUDA",
+        help="activations (and dense weights); auto: bfloat16 on CUDA and with int4/int8 "
+        "weights, else bfloat16 on a CPU with AMX, float32 elsewhere",
+    )
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8", "int4"],
+        help="linear layers' weights on CPU: int4 (groups of 32, GGUF Q4_0/Q4_1 as stored) or "
+        "int8 (a scale per row), run by torch's weight-only kernels; none: dense; auto: a "
+        "GGUF's own bits (int4 for the default model), dense for safetensors",
     )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument(
@@ -91,6 +100,7 @@ def build_llm(args: argparse.Namespace):
     return LLM(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         threads=default_threads() if args.threads is None else args.threads,
         generation_config=args.generation_config,

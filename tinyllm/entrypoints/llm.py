@@ -13,24 +13,13 @@ from tinyllm.engine.outputs import RequestOutput
 from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from tinyllm.entrypoints.generation_config import check_generation_config, default_sampling
 from tinyllm.entrypoints.threads import set_threads, warn_if_oversubscribed
-from tinyllm.loaders.source import load_model
+from tinyllm.loaders.source import load_model, resolve_model, stored_weight_bits
 from tinyllm.model.config import ModelLoadError
-from tinyllm.model.llama import Transformer
+from tinyllm.model.llama import Transformer, fuse_projections
+from tinyllm.model.precision import resolve_dtype, resolve_quantization
+from tinyllm.model.quant import describe_weights, quantize_linears
 
 log = logging.getLogger("tinyllm")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """float32 on CPU (fast and exact there), bfloat16 on CUDA, unless told otherwise."""
-    if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r}: choose one of {', '.join(DTYPES)} or 'auto'")
-    return DTYPES[dtype]
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -62,6 +51,7 @@ class LLM:
         device: str | None = None,
         threads: int | None = None,
         generation_config: str = "auto",
+        quantization: str = "auto",
         **engine_args,
     ):
         """`threads`: torch's CPU threads (None: torch's own choice, OMP_NUM_THREADS if set).
@@ -73,12 +63,18 @@ class LLM:
             set_threads(threads)
         if dev.type == "cpu":
             warn_if_oversubscribed(torch.get_num_threads())
-        torch_dtype = resolve_dtype(dtype, dev)
         start = time.perf_counter()
-        loaded = load_model(model, dtype=torch_dtype)
+        path = resolve_model(model)
+        quantization, why = resolve_quantization(quantization, stored_weight_bits(path), dev)
+        torch_dtype, why_dtype = resolve_dtype(dtype, dev, quantization)
+        dtype_name = str(torch_dtype).removeprefix("torch.")
+        log.info("dtype %s (%s), quantization %s (%s)", dtype_name, why_dtype, quantization, why)
+        loaded = load_model(model, torch_dtype, quantization != "none", path)
         with torch.device("meta"):
             net = Transformer(loaded.config)
-        net.load_weights({k: v.to(dev, torch_dtype) for k, v in loaded.weights.items()})
+        weights = fuse_projections(loaded.weights, loaded.config.num_layers)
+        dense = quantize_linears(net, weights, quantization, torch_dtype)
+        net.load_weights({k: v.to(dev) for k, v in dense.items()})
         _log_loaded(loaded.name, loaded.weights.values(), net, time.perf_counter() - start)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -179,14 +175,13 @@ def _log_loaded(name: str, checkpoint, net: torch.nn.Module, seconds: float) -> 
     params = sum(t.numel() for t in checkpoint)
     tensors = [*net.parameters(), *net.buffers()]
     size = sum(t.numel() * t.element_size() for t in tensors)
-    weight = next(net.parameters())
     log.info(
-        "loaded %s: %.1fM parameters, %.0f MB of %s on %s, in %.1f s",
+        "loaded %s: %.1fM parameters, %.0f MB resident (%s) on %s, in %.1f s",
         name,
         params / 1e6,
         size / 1e6,
-        str(weight.dtype).removeprefix("torch."),
-        weight.device,
+        describe_weights(net),
+        net.device,
         seconds,
     )
 

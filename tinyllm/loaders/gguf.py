@@ -11,6 +11,7 @@ import torch
 from tqdm import tqdm
 
 from tinyllm.model.config import ModelConfig, ModelLoadError, UnsupportedModelError
+from tinyllm.model.quant import GroupQuantized
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # Mistral GGUFs say "llama"
 
@@ -19,6 +20,16 @@ SUPPORTED_TENSOR_TYPES = (
     Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
 )  # fmt: skip
+
+# Stored as groups of 32 with a scale (and Q4_1 a minimum): kept as they are when quantized.
+GROUP_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
+
+# The bits the int kernels run each stored type in (model/quant.py): 2- to 4-bit types in
+# int4's groups of 32, 5- to 8-bit ones in int8.
+KERNEL_BITS = {
+    **dict.fromkeys((Q.Q4_0, Q.Q4_1, Q.Q2_K, Q.Q3_K, Q.Q4_K), 4),
+    **dict.fromkeys((Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q8_0), 8),
+}
 
 # Llama 3 GGUFs carry no rope-scaling metadata, only this tensor of per-frequency divisors.
 ROPE_FREQS = "rope_freqs.weight"
@@ -230,13 +241,49 @@ def _unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, pairs, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def _groups(data: np.ndarray, qtype: Q, shape: tuple[int, int]) -> GroupQuantized:
+    """A Q4_0, Q4_1 or Q8_0 tensor's blocks as they are: per block of 32 weights an fp16 scale
+    d, for Q4_1 an fp16 minimum m, then the codes (4-bit: weight j in the low nibble of byte
+    j, weight j + 16 in its high nibble)."""
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = np.ascontiguousarray(data).reshape(-1, type_size)
+    d = blocks[:, 0:2].view(np.float16).astype(np.float32)
+    codes = blocks[:, 4:] if qtype == Q.Q4_1 else blocks[:, 2:]
+    if qtype == Q.Q8_0:
+        q, zero, bits = codes.view(np.int8), np.zeros_like(d), 8
+    else:
+        q, bits = np.concatenate([codes & 0x0F, codes >> 4], axis=1), 4
+        zero = blocks[:, 2:4].view(np.float16).astype(np.float32) if qtype == Q.Q4_1 else -8 * d
+    n, k = shape
+    return GroupQuantized(
+        torch.from_numpy(q.reshape(n, k).copy()),
+        torch.from_numpy(d.reshape(n, k // 32)),
+        torch.from_numpy(zero.reshape(n, k // 32)),
+        bits,
+    )
+
+
+def _rotary_rows(w: torch.Tensor, name: str, config: ModelConfig) -> torch.Tensor:
+    """`w` (rows first) with llama's q/k row order restored; any other tensor as it is."""
+    if config.architecture == "llama" and ".attn_q." in name:
+        return _unpermute_rotary(w, config.num_heads)
+    if config.architecture == "llama" and ".attn_k." in name:
+        return _unpermute_rotary(w, config.num_kv_heads)
+    return w
+
+
 def gguf_weights(
-    reader: gguf.GGUFReader, config: ModelConfig, dtype: torch.dtype = torch.float32
-) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor into a state dict with Hugging Face names and shapes."""
+    reader: gguf.GGUFReader,
+    config: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    keep_quantized: bool = False,
+) -> dict[str, torch.Tensor | GroupQuantized]:
+    """Every tensor as a state dict with Hugging Face names and shapes: dequantized to `dtype`,
+    except, with `keep_quantized`, the Q4_0, Q4_1 and Q8_0 ones, kept as their stored groups for
+    the quantized linear layers (model/quant.py)."""
     expected = _tensor_names(config)
     where = reader.data.filename
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | GroupQuantized] = {}
     for tensor in tqdm(reader.tensors, desc="loading GGUF", unit="tensor", disable=None):
         if tensor.name == ROPE_FREQS:
             continue  # already folded into config.rope_scaling
@@ -248,27 +295,34 @@ def gguf_weights(
                 f"tinyllm reads {', '.join(t.name for t in SUPPORTED_TENSOR_TYPES)}"
             )
         hf_name, shape = expected[tensor.name]
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        if values.shape != shape:
+        stored = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest first
+        if stored != shape:
             raise ModelLoadError(
-                f"{where}: tensor {tensor.name!r} has shape {values.shape}, config implies {shape}"
+                f"{where}: tensor {tensor.name!r} has shape {stored}, config implies {shape}"
             )
+        if keep_quantized and tensor.tensor_type in GROUP_TYPES:
+            w = _groups(tensor.data, tensor.tensor_type, shape)
+            weights[hf_name] = w.map_rows(lambda t, name=tensor.name: _rotary_rows(t, name, config))
+            continue
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         w = torch.from_numpy(np.array(values, dtype=np.float32))  # copy off the read-only map
-        if config.architecture == "llama" and ".attn_q." in tensor.name:
-            w = _unpermute_rotary(w, config.num_heads)
-        elif config.architecture == "llama" and ".attn_k." in tensor.name:
-            w = _unpermute_rotary(w, config.num_kv_heads)
-        weights[hf_name] = w.to(dtype)
+        weights[hf_name] = _rotary_rows(w, tensor.name, config).to(dtype)
     missing = [hf_name for hf_name, _ in expected.values() if hf_name not in weights]
     if missing:
         raise ModelLoadError(f"{where}: missing tensors {', '.join(missing[:5])}")
     return weights
 
 
+def stored_bits(reader: gguf.GGUFReader) -> set[int]:
+    """The kernel bits (KERNEL_BITS) of the file's quantized weight matrices."""
+    return {KERNEL_BITS[t.tensor_type] for t in reader.tensors if t.tensor_type in KERNEL_BITS}
+
+
 def load_gguf(
-    path: str | os.PathLike, dtype: torch.dtype = torch.float32
-) -> tuple[ModelConfig, dict[str, torch.Tensor], gguf.GGUFReader]:
-    """Open, configure and dequantize in one go; the reader still holds vocab and chat template."""
+    path: str | os.PathLike, dtype: torch.dtype = torch.float32, keep_quantized: bool = False
+) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupQuantized], gguf.GGUFReader]:
+    """Open, configure and read the weights in one go (see gguf_weights); the reader still
+    holds the vocabulary and the chat template."""
     reader = open_gguf(path)
     config = gguf_config(reader)
-    return config, gguf_weights(reader, config, dtype), reader
+    return config, gguf_weights(reader, config, dtype, keep_quantized), reader

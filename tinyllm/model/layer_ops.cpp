@@ -1,0 +1,143 @@
+// A decoder layer's small element-wise steps as one CPU op each, as vLLM's CPU build has them.
+//
+// In eager torch, RMSNorm is about ten ops, RoPE seven per tensor and SiLU-and-multiply two,
+// each a dispatch and a fresh tensor; at one decode row these ops cost as much as the 4-bit
+// weights' matrix products. Each op here is one pass over its rows, computing in fp32 and
+// rounding once to the tensor's dtype (fp32 or bf16), rows split over torch's threads.
+// model/layer_ops.py holds the same steps in torch, for other devices and as the tests' oracle.
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+template <typename T>
+inline float f32(T v) {
+  return static_cast<float>(v);
+}
+
+// Rows per task: enough work per thread that a one-row decode step stays on one thread.
+constexpr int64_t kGrain = 16;
+
+template <typename T>
+void rms_norm_impl(T* out, T* residual, const T* x, const T* weight, int64_t rows, int64_t dim,
+                   float eps) {
+  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * dim;
+      T* res = residual ? residual + r * dim : nullptr;
+      float sum = 0.f;
+      for (int64_t i = 0; i < dim; ++i) {
+        T h = xr[i];
+        if (res) {  // the residual stream, rounded to the dtype as the unfused add rounds it
+          h = static_cast<T>(f32(xr[i]) + f32(res[i]));
+          res[i] = h;
+        }
+        sum += f32(h) * f32(h);
+      }
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
+      const T* h = res ? res : xr;
+      T* o = out + r * dim;
+      for (int64_t i = 0; i < dim; ++i) {
+        // Normalised, rounded, then scaled: Hugging Face's order of roundings.
+        o[i] = static_cast<T>(f32(weight[i]) * f32(static_cast<T>(f32(h[i]) * inv)));
+      }
+    }
+  });
+}
+
+// out = RMSNorm(x) * weight; with `residual`, first residual += x (in place), then the norm of
+// that sum. x, out: (rows, dim); out may be x.
+void rms_norm(const at::Tensor& out, const at::Tensor& x, const std::optional<at::Tensor>& residual,
+              const at::Tensor& weight, double eps) {
+  const int64_t dim = x.size(-1), rows = x.numel() / dim;
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && weight.is_contiguous(),
+              "rms_norm: tensors must be contiguous");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: x, out and weight must share a dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+    scalar_t* res = nullptr;
+    if (residual) {
+      TORCH_CHECK(residual->is_contiguous() && residual->scalar_type() == x.scalar_type(),
+                  "rms_norm: residual must be contiguous, of x's dtype");
+      res = residual->data_ptr<scalar_t>();
+    }
+    rms_norm_impl<scalar_t>(out.data_ptr<scalar_t>(), res, x.data_ptr<scalar_t>(),
+                            weight.data_ptr<scalar_t>(), rows, dim, static_cast<float>(eps));
+  });
+}
+
+// Rotary embedding in place on the first `heads` heads of each token's row of `qkv` (N, width),
+// Hugging Face's rotate-half layout: x[i] pairs with x[i + D/2]. cos, sin: (positions, D/2).
+void rotary(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+            const at::Tensor& sin, int64_t heads, int64_t head_dim) {
+  TORCH_CHECK(qkv.stride(-1) == 1 && cos.is_contiguous() && sin.is_contiguous() &&
+                  positions.is_contiguous(),
+              "rotary: tensors must be contiguous");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && positions.scalar_type() == at::kLong,
+              "rotary: fp32 tables, int64 positions");
+  TORCH_CHECK(cos.size(1) * 2 == head_dim, "rotary: tables must hold head_dim / 2 frequencies");
+  const int64_t n = qkv.size(0), stride = qkv.stride(0), half = head_dim / 2;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rotary: position ", pos[t],
+                " outside the table's ", cos.size(0));
+  }
+  const float *cs = cos.data_ptr<float>(), *sn = sin.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rotary", [&] {
+    scalar_t* base = qkv.data_ptr<scalar_t>();
+    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* c = cs + pos[t] * half;
+        const float* s = sn + pos[t] * half;
+        for (int64_t h = 0; h < heads; ++h) {
+          scalar_t* x = base + t * stride + h * head_dim;
+          for (int64_t i = 0; i < half; ++i) {
+            const float a = f32(x[i]), b = f32(x[i + half]);
+            x[i] = static_cast<scalar_t>(a * c[i] - b * s[i]);
+            x[i + half] = static_cast<scalar_t>(b * c[i] + a * s[i]);
+          }
+        }
+      }
+    });
+  });
+}
+
+// out (N, F) = silu(x[:, :F]) * x[:, F:] for x (N, 2F): the gate and up projections, fused.
+void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && out.scalar_type() == x.scalar_type(),
+              "silu_and_mul: contiguous tensors of one dtype");
+  const int64_t f = out.size(-1), rows = out.numel() / f;
+  TORCH_CHECK(x.size(-1) == 2 * f, "silu_and_mul: x must be twice as wide as out");
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* in = x.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t *g = in + r * 2 * f, *u = g + f;
+        for (int64_t i = 0; i < f; ++i) {
+          const float a = f32(g[i]);
+          // Rounded after the SiLU as torch's two ops round: the same numbers in bf16.
+          o[r * f + i] = static_cast<scalar_t>(f32(static_cast<scalar_t>(a / (1.f + std::exp(-a)))) * f32(u[i]));
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tinyllm, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor(b!)? residual, Tensor weight, float eps) -> ()",
+        &rms_norm);
+  m.def("rotary(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int heads, int head_dim) "
+        "-> ()",
+        &rotary);
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()", &silu_and_mul);
+}

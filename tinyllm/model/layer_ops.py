@@ -1,0 +1,75 @@
+"""A decoder layer's element-wise steps: RMSNorm (with the residual add before it), rotary
+embedding and SiLU-and-multiply.
+
+On the CPU each is one C++ op (layer_ops.cpp) where tinyllm's CPU library builds; elsewhere, and
+as the tests' oracle, the same steps in torch. Both compute in fp32 and give the tensor's dtype.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tinyllm.model.cpu_library import library_error
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def native(*tensors: Tensor) -> bool:
+    """Whether the C++ ops take these tensors: on the CPU, fp32 or bf16, rows contiguous, and
+    the library built."""
+    return (
+        all(t.device.type == "cpu" and t.dtype in NATIVE_DTYPES for t in tensors)
+        and library_error() is None
+    )
+
+
+def rms_norm(
+    x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
+) -> Tensor | tuple[Tensor, Tensor]:
+    """RMSNorm(x) * weight. With `residual`: h = x + residual, then (RMSNorm(h) * weight, h);
+    the C++ op writes h into `residual`'s memory."""
+    if native(x, weight) and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+        out = torch.empty_like(x)
+        torch.ops.tinyllm.rms_norm(out, x, residual, weight, eps)
+        return out if residual is None else (out, residual)
+    return rms_norm_torch(x, weight, eps, residual)
+
+
+def rms_norm_torch(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
+    if residual is not None:
+        x = residual = x + residual
+    xf = x.float()
+    # Normalised in fp32, rounded, then scaled: Hugging Face's order.
+    out = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return out if residual is None else (out, residual)
+
+
+def rotary(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, heads: int, head_dim: int):
+    """Rotate, in place, the first `heads` heads of each token's row of `qkv` (N, width) by its
+    position, in Hugging Face's rotate-half layout. cos, sin: (max positions, head_dim / 2),
+    fp32."""
+    if native(qkv) and qkv.stride(-1) == 1:
+        torch.ops.tinyllm.rotary(qkv, positions, cos, sin, heads, head_dim)
+    else:
+        rotary_torch(qkv, positions, cos, sin, heads, head_dim)
+
+
+def rotary_torch(qkv, positions, cos, sin, heads, head_dim):
+    x = qkv[:, : heads * head_dim].view(len(qkv), heads, head_dim)
+    c, s = cos[positions][:, None], sin[positions][:, None]
+    a, b = x.float().chunk(2, dim=-1)
+    x.copy_(torch.cat([a * c - b * s, b * c + a * s], dim=-1))
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """silu(gate) * up for x = [gate | up] (N, 2F): the fused gate and up projections."""
+    if native(x) and x.is_contiguous():
+        out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+        torch.ops.tinyllm.silu_and_mul(out, x)
+        return out
+    return silu_and_mul_torch(x)
+
+
+def silu_and_mul_torch(x: Tensor) -> Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
