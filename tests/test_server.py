@@ -354,7 +354,11 @@ class _FailingEngine:
 
 def test_engine_death_fails_requests_and_health(llm):
     broken = SimpleNamespace(
-        engine=_FailingEngine(llm.engine), tokenizer=llm.tokenizer, model_name=llm.model_name
+        engine=_FailingEngine(llm.engine),
+        tokenizer=llm.tokenizer,
+        model_name=llm.model_name,
+        get_default_sampling_params=llm.get_default_sampling_params,
+        default_sampling=llm.default_sampling,
     )
     with serving(create_app(broken)) as url:
         assert httpx.get(f"{url}/health").status_code == 200
