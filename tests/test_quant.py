@@ -140,5 +140,9 @@ def test_resolve_dtype(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="tinyllm"):
         assert resolve_dtype("float32", cpu, "int4")[0] == torch.float32
     assert "slow fallback" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tinyllm"):
+        assert resolve_dtype(torch.float32, cpu, "int8") == (torch.float32, "as asked")
+    assert "int8 weights with float32 activations" in caplog.text
     with pytest.raises(ValueError, match="choose one of float32, bfloat16, float16 or 'auto'"):
         resolve_dtype("fp8", cpu, "none")

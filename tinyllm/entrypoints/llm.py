@@ -13,7 +13,7 @@ from tinyllm.engine.outputs import RequestOutput
 from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from tinyllm.entrypoints.generation_config import check_generation_config, default_sampling
 from tinyllm.entrypoints.threads import set_threads, warn_if_oversubscribed
-from tinyllm.loaders.source import load_model, resolve_model, stored_weight_bits
+from tinyllm.loaders.source import load_model, open_model
 from tinyllm.model.config import ModelLoadError
 from tinyllm.model.llama import Transformer, fuse_projections
 from tinyllm.model.precision import resolve_dtype, resolve_quantization
@@ -64,12 +64,12 @@ class LLM:
         if dev.type == "cpu":
             warn_if_oversubscribed(torch.get_num_threads())
         start = time.perf_counter()
-        path = resolve_model(model)
-        quantization, why = resolve_quantization(quantization, stored_weight_bits(path), dev)
+        files = open_model(model)
+        quantization, why = resolve_quantization(quantization, files.stored_bits, dev)
         torch_dtype, why_dtype = resolve_dtype(dtype, dev, quantization)
         dtype_name = str(torch_dtype).removeprefix("torch.")
         log.info("dtype %s (%s), quantization %s (%s)", dtype_name, why_dtype, quantization, why)
-        loaded = load_model(model, torch_dtype, quantization != "none", path)
+        loaded = load_model(model, torch_dtype, quantization != "none", files)
         with torch.device("meta"):
             net = Transformer(loaded.config)
         weights = fuse_projections(loaded.weights, loaded.config.num_layers)

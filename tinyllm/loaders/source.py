@@ -5,10 +5,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import torch
 from torch import Tensor
 
-from tinyllm.loaders.gguf import load_gguf, open_gguf, stored_bits
+from tinyllm.loaders.gguf import gguf_config, gguf_weights, open_gguf, stored_bits
 from tinyllm.loaders.hf import hf_config, hf_weights
 from tinyllm.model.config import ModelConfig, ModelLoadError
 from tinyllm.model.quant import GroupQuantized
@@ -89,23 +90,38 @@ class LoadedModel:
     tokenizer: Tokenizer
 
 
-def stored_weight_bits(path: Path) -> set[int]:
-    """The bits a resolved model's weight matrices are stored in, where quantized: a GGUF's
-    (loaders/gguf.py), or none for safetensors."""
-    return stored_bits(open_gguf(path)) if path.is_file() else set()
+@dataclass
+class ModelFiles:
+    """A resolved model before its weights are read: its path and, for a GGUF file, the reader
+    (metadata and a map of the tensors), opened once for both questions and loading."""
+
+    path: Path
+    reader: gguf.GGUFReader | None
+
+    @property
+    def stored_bits(self) -> set[int]:
+        """The bits its weight matrices are stored in, where quantized (a GGUF's), else none."""
+        return stored_bits(self.reader) if self.reader is not None else set()
+
+
+def open_model(model: str | None) -> ModelFiles:
+    path = resolve_model(model)
+    return ModelFiles(path, open_gguf(path) if path.is_file() else None)
 
 
 def load_model(
     model: str | None,
     dtype: torch.dtype = torch.float32,
     keep_quantized: bool = False,
-    path: Path | None = None,
+    files: ModelFiles | None = None,
 ) -> LoadedModel:
-    """Read `model`'s config, weights and tokenizer from `path` (default: resolve_model(model));
+    """Read `model`'s config, weights and tokenizer (from `files`, default open_model(model));
     with `keep_quantized`, a GGUF's Q4_0, Q4_1 and Q8_0 weights stay in their stored groups."""
-    path = path or resolve_model(model)
-    if path.is_file():
-        config, weights, reader = load_gguf(path, dtype, keep_quantized)
+    files = files or open_model(model)
+    path, reader = files.path, files.reader
+    if reader is not None:
+        config = gguf_config(reader)
+        weights = gguf_weights(reader, config, dtype, keep_quantized)
         return LoadedModel(path.stem, path, config, weights, Tokenizer.from_gguf(reader))
     # A hub snapshot directory is named after a commit hash, so a hub model goes by its id.
     name = model if model and not Path(model).expanduser().exists() else path.resolve().name

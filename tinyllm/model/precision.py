@@ -46,8 +46,8 @@ def resolve_dtype(
     int8 CPU kernels are fast only with bf16 activations) and on a CPU with AMX; fp32
     elsewhere."""
     if isinstance(dtype, torch.dtype):
-        return dtype, "as asked"
-    if dtype not in (None, "auto"):
+        chosen, why = dtype, "as asked"
+    elif dtype not in (None, "auto"):
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}: choose one of {', '.join(DTYPES)} or 'auto'")
         chosen, why = DTYPES[dtype], "as asked"

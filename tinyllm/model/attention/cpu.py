@@ -19,7 +19,6 @@ accumulated in fp32).
 The kernel is part of tinyllm's C++ CPU library (model/cpu_library.py), built at first use.
 """
 
-import logging
 from collections.abc import Callable
 
 import torch
@@ -28,8 +27,6 @@ from torch import Tensor
 from tinyllm.model.attention.backend import AttentionBackend, AttentionMetadata
 from tinyllm.model.attention.reference import ReferenceBackend
 from tinyllm.model.cpu_library import first_error, library_error
-
-log = logging.getLogger("tinyllm")
 
 SUPPORTED = (torch.float32, torch.bfloat16)
 
@@ -68,6 +65,5 @@ def load_cpu_backend() -> tuple[AttentionBackend | None, str]:
     try:
         kernel = _kernel()
     except Exception as e:  # whatever stops the build, the reference backend still works
-        log.debug("attention: CPU kernel build failed", exc_info=True)
         return None, f"the CPU attention kernel did not build: {first_error(e)}"
     return CPUBackend(kernel), "ok"
