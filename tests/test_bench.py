@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from matplotlib.image import imread
 
 from tinyllm.entrypoints import llm as llm_module
@@ -25,9 +26,13 @@ from tinyllm.entrypoints.bench.report import (
     to_json,
 )
 from tinyllm.entrypoints.workloads import WORKLOADS, make_requests
+from tinyllm.model.precision import resolve_dtype
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PLOT_PIXELS = (round(PLOT_SIZE[1] * PLOT_DPI), round(PLOT_SIZE[0] * PLOT_DPI))  # rows, columns
+
+# The activations' dtype `auto` picks on this machine: bf16 with AMX, else fp32.
+AUTO_DTYPE = str(resolve_dtype("auto", torch.device("cpu"))[0]).removeprefix("torch.")
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
@@ -146,7 +151,7 @@ def test_bench_reports_both_engines_in_table_json_and_plot(tmp_path):
     output = sum(q.max_tokens for q in requests)
     assert (res["requests"], res["prompt_tokens"], res["output_tokens"]) == (1, prompt, output)
     assert res["machine"]["threads"] == 1
-    assert res["weights"] == "int4 weights, bfloat16 activations"  # the default model's auto
+    assert res["weights"] == f"int4 weights, {AUTO_DTYPE} activations"  # the default model's
     t, b = res["tinyllm"], res["baseline"]
     assert t["output_tokens_per_s"] * t["seconds"] == pytest.approx(output)
     assert b["total_tokens_per_s"] * b["seconds"] == pytest.approx(prompt + output)

@@ -1,5 +1,9 @@
-"""Quantized linear layers (model/quant.py) against dequantize-then-matmul, and GGUF's stored
-groups (loaders/gguf.py) against the gguf library's own dequantization."""
+"""Quantized linear layers (model/quant.py, quant_linear.cpp) against dequantize-then-matmul,
+and GGUF's stored groups (loaders/gguf.py) against the gguf library's own dequantization."""
+
+import subprocess
+import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -8,90 +12,129 @@ import torch
 from torch import nn
 
 from tinyllm.loaders.gguf import _groups
-from tinyllm.model import precision
+from tinyllm.model import cpu_library, precision
 from tinyllm.model.config import ModelConfig
 from tinyllm.model.llama import Transformer
 from tinyllm.model.precision import resolve_dtype, resolve_quantization
 from tinyllm.model.quant import (
     GroupQuantized,
-    Int4Linear,
-    Int8Embedding,
-    Int8Linear,
+    QuantEmbedding,
+    QuantLinear,
     int4_groups,
+    int8_groups,
+    pack,
     quantize_linears,
+    unpack,
 )
 
 Q = gguf.GGMLQuantizationType
 
 
-def random_groups(n: int, k: int, gen: torch.Generator) -> GroupQuantized:
-    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    scale = torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-3
-    zero = -8 * scale + torch.randn(n, k // 32, generator=gen) * 0.01
-    return GroupQuantized(q, scale, zero, bits=4)
+def fp16(t: torch.Tensor) -> torch.Tensor:
+    return t.half().float()
+
+
+def random_groups(n: int, k: int, bits: int, gen: torch.Generator) -> GroupQuantized:
+    """Random codes with fp16 scales and offsets, as GGUF stores them."""
+    scale = fp16(torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-3)
+    if bits == 4:
+        q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        zero = fp16(-8 * scale + torch.randn(n, k // 32, generator=gen) * 0.01)
+    else:
+        q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        zero = torch.zeros_like(scale)
+    return GroupQuantized(q, scale, zero, bits=bits)
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: int8 per block of 32 (zero-padded), scale max|x| / 127."""
+    k = x.shape[-1]
+    g = nn.functional.pad(x.float(), (0, -k % 32)).view(len(x), -1, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return ((g * inv).round() * (amax / 127)).flatten(1)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
 def test_gguf_groups_are_the_stored_weights(qtype):
-    """The groups read from a tensor's blocks dequantize to what the gguf library reads."""
+    """The groups read from a tensor's blocks dequantize to what the gguf library reads, and
+    survive the kernel's packing unchanged."""
     w = np.random.default_rng(0).standard_normal((24, 96)).astype(np.float32)
     blocks = gguf.quants.quantize(w, qtype)
     groups = _groups(blocks, qtype, w.shape)
     assert groups.bits == (8 if qtype == Q.Q8_0 else 4)
     expected = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))
     torch.testing.assert_close(groups.dequantize(), expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(unpack(pack(groups), groups.bits)[:24], expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("rows", [1, 7, 64])
-def test_int4_linear_fp32_is_dequantize_then_matmul(rows):
-    gen = torch.Generator().manual_seed(rows)
-    w = random_groups(96, 128, gen)
-    bias = torch.randn(96, generator=gen)
-    x = torch.randn(rows, 128, generator=gen)
-    layer = Int4Linear(w, bias, torch.float32)
-    expected = x @ w.dequantize().T + bias
-    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_round_trips_and_pads_rows_to_tiles(bits):
+    g = random_groups(40, 96, bits, torch.Generator().manual_seed(bits))
+    packed = pack(g)
+    assert packed.shape == (3, 3, 16 * 32 * bits // 8 + 64)  # 40 rows in 3 tiles of 16
+    dense = unpack(packed, bits)
+    assert torch.equal(dense[:40], g.dequantize())
+    assert not dense[40:].any()
 
 
-def test_int4_linear_bf16_is_close_to_fp32():
+SHAPES = [(96, 128), (40, 70), (33, 32)]  # K = 70: a partial last block; N = 33, 40: tiles
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 3, 7, 64])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_quant_linear_is_dequantize_then_matmul(bits, rows, shape):
+    """Every row count (the kernel runs rows in fours, then the rest) and ragged shapes, with
+    a bias: the kernel's sums equal the float64 product of the same numbers."""
+    n, k = shape
+    gen = torch.Generator().manual_seed(rows * n + bits)
+    w = torch.randn(n, k, generator=gen)
+    groups = (int4_groups if bits == 4 else int8_groups)(w)
+    bias = torch.randn(n, generator=gen)
+    layer = QuantLinear(groups, bias, torch.float32, in_features=k)
+    x = torch.randn(rows, k, generator=gen)
+    dense = groups.dequantize().double()  # K zero-padded to whole groups, as the activations
+    expected = quantized_activations(x).double() @ dense.T + bias
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-4)
+    # Against the unrounded activations: their rounding costs under 1% of the output's scale.
+    exact = x.double() @ groups.dequantize()[:, :k].double().T + bias
+    assert (layer(x) - exact).abs().max() < 0.01 * exact.abs().max()
+
+
+def test_quant_linear_takes_bf16_activations():
     gen = torch.Generator().manual_seed(1)
-    w = random_groups(64, 256, gen)
-    x = torch.randn(5, 256, generator=gen)
-    y = Int4Linear(w, None, torch.bfloat16)(x.bfloat16())
+    groups = random_groups(64, 256, 4, gen)
+    x = torch.randn(5, 256, generator=gen).bfloat16()
+    y = QuantLinear(groups, None, torch.bfloat16, in_features=256)(x)
     assert y.dtype == torch.bfloat16
-    expected = x @ w.dequantize().T
-    # bf16 keeps 8 bits of mantissa: a few parts in a thousand of the output's scale.
-    assert (y.float() - expected).abs().max() < 1e-2 * expected.abs().max()
+    expected = quantized_activations(x).double() @ groups.dequantize().double().T
+    # The same sums, rounded once to bf16 (8 bits of mantissa).
+    torch.testing.assert_close(y.double(), expected, rtol=4e-3, atol=1e-3)
+
+
+def test_quant_linear_rejects_weights_of_another_shape():
+    layer = QuantLinear(random_groups(32, 64, 4, torch.Generator()), None, torch.float32, 64)
+    with pytest.raises(RuntimeError, match="do not fit 32 outputs of 96 inputs at 4 bits"):
+        layer(torch.randn(2, 96))
 
 
 def test_int4_groups_keep_weights_already_on_a_4bit_grid():
     """Min-max quantization recovers a Q4_1-style weight whose groups span their whole grid."""
-    gen = torch.Generator().manual_seed(2)
-    w = random_groups(8, 64, gen)
+    w = random_groups(8, 64, 4, torch.Generator().manual_seed(2))
     w.q[:, ::32], w.q[:, 1::32] = 0, 15  # every group reaches both ends of its grid
     again = int4_groups(w.dequantize())
     torch.testing.assert_close(again.dequantize(), w.dequantize(), rtol=0, atol=1e-6)
 
 
-def test_int4_groups_error_is_at_most_half_a_step():
+@pytest.mark.parametrize("quantize", [int4_groups, int8_groups])
+def test_groups_error_is_about_half_a_step(quantize):
+    """Within half a step of the fp16 grid, plus the fp16 rounding of the group's scale."""
     w = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
-    g = int4_groups(w)
+    g = quantize(w)
+    assert g.scale.equal(fp16(g.scale)) and g.zero.equal(fp16(g.zero))  # what pack stores
     step = g.scale.repeat_interleave(32, dim=1)
-    assert ((g.dequantize() - w).abs() <= step / 2 + 1e-6).all()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_linear_is_its_int8_weight_times_the_row_scale(dtype):
-    gen = torch.Generator().manual_seed(4)
-    w = torch.randn(48, 80, generator=gen)
-    x = torch.randn(6, 80, generator=gen).to(dtype)
-    layer = Int8Linear(w, None, dtype)
-    dequantized = layer.weight.float() * layer.scale.float()[:, None]
-    # Per-row absmax scaling: within half a step of the original.
-    assert ((dequantized - w).abs() <= layer.scale.float()[:, None] / 2 + 1e-3).all()
-    expected = x.float() @ dequantized.T
-    tol = 1e-5 if dtype == torch.float32 else 2e-2 * expected.abs().max().item()
-    torch.testing.assert_close(layer(x).float(), expected, rtol=1e-4, atol=tol)
+    assert ((g.dequantize() - w).abs() <= step * 0.51 + 1e-6).all()
 
 
 def test_quantize_linears_rewrites_every_linear_and_ties_the_embedding():
@@ -105,14 +148,16 @@ def test_quantize_linears_rewrites_every_linear_and_ties_the_embedding():
     rest = quantize_linears(model, state, "int4", torch.float32)
     model.load_weights(rest)
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
-    attn = model.model.layers[0].self_attn
-    assert isinstance(attn.qkv_proj, Int4Linear) and isinstance(model.lm_head, Int8Linear)
-    assert isinstance(model.model.embed_tokens, Int8Embedding)
-    ids = torch.tensor([3, 9, 1])
+    attn, head = model.model.layers[0].self_attn, model.lm_head
+    assert isinstance(attn.qkv_proj, QuantLinear) and attn.qkv_proj.bits == 4
+    assert isinstance(head, QuantLinear) and head.bits == 8
+    assert isinstance(model.model.embed_tokens, QuantEmbedding)
+    ids = torch.tensor([[3, 9, 1], [63, 16, 15]])  # rows of different tiles
     emb = model.model.embed_tokens(ids)
-    rows = model.lm_head.weight[ids].float() * model.lm_head.scale[ids, None]
-    torch.testing.assert_close(emb, rows)
-    assert (emb - dense.model.embed_tokens(ids)).abs().max() <= model.lm_head.scale.max() / 2
+    assert emb.shape == (2, 3, 64)
+    torch.testing.assert_close(emb, unpack(head.packed, 8)[ids])
+    step = dense.model.embed_tokens.weight.abs().max() / 127
+    assert (emb - dense.model.embed_tokens(ids)).abs().max() <= step / 2 * 1.01
 
 
 def test_resolve_quantization():
@@ -128,21 +173,64 @@ def test_resolve_quantization():
         resolve_quantization("q4", {4}, cpu)
 
 
-def test_resolve_dtype(monkeypatch, caplog):
+def test_resolve_quantization_without_the_kernels(monkeypatch):
     cpu = torch.device("cpu")
-    assert resolve_dtype("auto", torch.device("cuda"), "none")[0] == torch.bfloat16
-    assert resolve_dtype("auto", cpu, "int4")[0] == torch.bfloat16
-    assert resolve_dtype("float32", cpu, "none") == (torch.float32, "as asked")
+    monkeypatch.setattr(precision, "library_error", lambda: "no C++ compiler")
+    assert resolve_quantization("auto", {4}, cpu) == (
+        "none",
+        "tinyllm's CPU kernels did not build: no C++ compiler",
+    )
+    with pytest.raises(ValueError, match="did not build \\(no C\\+\\+ compiler\\)"):
+        resolve_quantization("int4", {4}, cpu)
+
+
+def test_resolve_dtype(monkeypatch):
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", torch.device("cuda"))[0] == torch.bfloat16
+    assert resolve_dtype("float32", cpu) == (torch.float32, "as asked")
+    assert resolve_dtype(torch.bfloat16, cpu) == (torch.bfloat16, "as asked")
     monkeypatch.setattr(precision, "amx", lambda: False)
-    assert resolve_dtype("auto", cpu, "none")[0] == torch.float32
+    assert resolve_dtype("auto", cpu)[0] == torch.float32
     monkeypatch.setattr(precision, "amx", lambda: True)
-    assert resolve_dtype("auto", cpu, "none")[0] == torch.bfloat16
-    with caplog.at_level("WARNING", logger="tinyllm"):
-        assert resolve_dtype("float32", cpu, "int4")[0] == torch.float32
-    assert "slow fallback" in caplog.text
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="tinyllm"):
-        assert resolve_dtype(torch.float32, cpu, "int8") == (torch.float32, "as asked")
-    assert "int8 weights with float32 activations" in caplog.text
+    assert resolve_dtype("auto", cpu)[0] == torch.bfloat16
     with pytest.raises(ValueError, match="choose one of float32, bfloat16, float16 or 'auto'"):
-        resolve_dtype("fp8", cpu, "none")
+        resolve_dtype("fp8", cpu)
+
+
+# Built as a library of its own, in a fresh process (its op's name is the main library's).
+OTHER_LEVEL = """
+import sys, torch
+from torch.utils.cpp_extension import load
+from tinyllm.model.cpu_library import HERE, build_flags
+from tinyllm.model.quant import int4_groups, int8_groups, pack
+from tests.test_quant import quantized_activations
+
+level = sys.argv[1]
+load(name=f"tinyllm_quant_{level}", sources=[str(HERE / "quant_linear.cpp")],
+     extra_cflags=build_flags(level), extra_ldflags=["-fopenmp"], is_python_module=False)
+gen = torch.Generator().manual_seed(0)
+for bits, quantize in ((4, int4_groups), (8, int8_groups)):
+    for rows in (1, 6):
+        g = quantize(torch.randn(40, 70, generator=gen))
+        x = torch.randn(rows, 70, generator=gen)
+        y = torch.ops.tinyllm.quant_linear(x, pack(g), 40, bits)
+        expected = quantized_activations(x).double() @ g.dequantize().double().T
+        torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-4)
+print("ok")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["avx2", "generic"])
+def test_other_instruction_set_levels_compute_the_same(level):
+    """The AVX2 path (u8 x s8 pairs in int16, 8-bit codes by their sign) and the portable one,
+    which this machine's own build does not run, on a machine that can run them."""
+    if cpu_library.level() == level:
+        pytest.skip(f"the library in use is built for {level}: every other test runs it")
+    if level == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("this CPU has no AVX2")
+    root = Path(__file__).parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", OTHER_LEVEL, level], cwd=root, capture_output=True, text=True
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

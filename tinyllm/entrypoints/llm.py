@@ -66,7 +66,7 @@ class LLM:
         start = time.perf_counter()
         files = open_model(model)
         quantization, why = resolve_quantization(quantization, files.stored_bits, dev)
-        torch_dtype, why_dtype = resolve_dtype(dtype, dev, quantization)
+        torch_dtype, why_dtype = resolve_dtype(dtype, dev)
         dtype_name = str(torch_dtype).removeprefix("torch.")
         log.info("dtype %s (%s), quantization %s (%s)", dtype_name, why_dtype, quantization, why)
         loaded = load_model(model, torch_dtype, quantization != "none", files)

@@ -1,5 +1,6 @@
-"""Building tinyllm's C++ CPU ops: paged attention (attention/cpu_kernel.cpp) and a decoder
-layer's element-wise steps (layer_ops.cpp), one library registering torch.ops.tinyllm.*.
+"""Building tinyllm's C++ CPU ops: paged attention (attention/cpu_kernel.cpp), a decoder
+layer's element-wise steps (layer_ops.cpp) and linear layers on quantized weights
+(quant_linear.cpp), one library registering torch.ops.tinyllm.*.
 
 It is compiled at first use by torch.utils.cpp_extension (a C++ compiler and ninja, about 15 s;
 torch caches the build, so later processes only load it). The ops run on torch's intra-op
@@ -18,23 +19,38 @@ import torch
 log = logging.getLogger("tinyllm")
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "attention" / "cpu_kernel.cpp", HERE / "layer_ops.cpp"]
+SOURCES = [HERE / "attention" / "cpu_kernel.cpp", HERE / "layer_ops.cpp", HERE / "quant_linear.cpp"]
 # Lets the compiler sum a dot product in a tree of vector adds rather than in order, one lane at
 # a time; unlike -ffast-math it keeps inf and NaN semantics.
 REASSOCIATE = ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 
 
-def _arch_flags() -> tuple[str, list[str]]:
-    """A name for the instruction set the build targets, and the flags that target it.
+# Instruction-set levels the library is built for, best first. Named levels rather than
+# -march=native: torch caches the build by name, and a cache carried to a machine without the
+# build machine's extensions would crash on an illegal instruction. VNNI (int8 dot products)
+# makes levels of its own: quant_linear.cpp's fastest path.
+LEVELS = {
+    "avx512vnni": ["-march=x86-64-v4", "-mavx512vnni", "-mprefer-vector-width=512"],
+    "avx512": ["-march=x86-64-v4", "-mprefer-vector-width=512"],
+    "avx2vnni": ["-march=x86-64-v3", "-mavxvnni"],
+    "avx2": ["-march=x86-64-v3"],
+    "generic": [],
+}
 
-    Named levels rather than -march=native: torch caches the build by name, and a cache carried
-    to a machine without the build machine's extensions would crash on an illegal instruction."""
-    cap = torch.backends.cpu.get_cpu_capability()
+
+def level() -> str:
+    """The best level this CPU runs."""
+    cap, has = torch.backends.cpu.get_cpu_capability(), torch.cpu.get_capabilities()
     if cap == "AVX512":
-        return "avx512", ["-march=x86-64-v4", "-mprefer-vector-width=512"]
+        return "avx512vnni" if has.get("avx512_vnni") else "avx512"
     if cap == "AVX2":
-        return "avx2", ["-march=x86-64-v3"]
-    return "generic", []
+        return "avx2vnni" if has.get("avx_vnni") else "avx2"
+    return "generic"
+
+
+def build_flags(name: str) -> list[str]:
+    # -fopenmp: at::parallel_for, inlined from torch's headers, is serial without it.
+    return ["-O3", "-fopenmp", *REASSOCIATE, *LEVELS[name]]
 
 
 def _compile() -> None:
@@ -44,15 +60,13 @@ def _compile() -> None:
     cxx = os.environ.get("CXX", "c++")  # the compiler torch's build uses
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler: {cxx!r} is not on PATH")
-    arch, flags = _arch_flags()
-    name = f"tinyllm_cpu_{arch}"
+    name = f"tinyllm_cpu_{level()}"
     if not _is_built(name):  # else a silent pause on a first run, long enough to look hung
         log.warning("building tinyllm's CPU kernels: once per machine, about 15 s")
     load(
         name=name,
         sources=[str(s) for s in SOURCES],
-        # -fopenmp: at::parallel_for, inlined from torch's headers, is serial without it.
-        extra_cflags=["-O3", "-fopenmp", *REASSOCIATE, *flags],
+        extra_cflags=build_flags(level()),
         extra_ldflags=["-fopenmp"],
         is_python_module=False,  # the library registers its ops with torch
     )

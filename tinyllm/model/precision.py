@@ -1,11 +1,9 @@
 """How a model's weights run: its activations' dtype and its linear layers' quantization, each
 chosen for the device (and the file) when left to "auto", with the reason, for the log."""
 
-import logging
-
 import torch
 
-log = logging.getLogger("tinyllm")
+from tinyllm.model.cpu_library import library_error
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -20,16 +18,25 @@ def amx() -> bool:
 def resolve_quantization(mode: str, file_bits: set[int], device: torch.device) -> tuple[str, str]:
     """The quantization to run and why. "auto" on CPU runs a GGUF's 4-bit weights in int4 and
     its 8-bit ones in int8 (`file_bits`: the bits its linear weights are stored in), and
-    anything else dense; on other devices, dense."""
+    anything else dense; on other devices, or without tinyllm's CPU kernels, dense."""
     if mode not in ("auto", *QUANTIZATIONS):
         raise ValueError(f"quantization={mode!r}: choose auto or one of {', '.join(QUANTIZATIONS)}")
+    if mode == "none":
+        return mode, "as asked"
     if device.type != "cpu":
-        if mode in ("int4", "int8"):
+        if mode != "auto":
             raise ValueError(
-                f"quantization={mode!r} runs on CPU only (torch's weight-only CPU kernels); "
+                f"quantization={mode!r} runs on CPU only (tinyllm's C++ kernels); "
                 f"use quantization='none' on {device.type}"
             )
         return "none", f"dense weights on {device.type}"
+    if error := library_error():
+        if mode != "auto":
+            raise ValueError(
+                f"quantization={mode!r} needs tinyllm's CPU kernels, which did not build "
+                f"({error}); use quantization='none'"
+            )
+        return "none", f"tinyllm's CPU kernels did not build: {error}"
     if mode != "auto":
         return mode, "as asked"
     if 4 in file_bits:
@@ -39,31 +46,17 @@ def resolve_quantization(mode: str, file_bits: set[int], device: torch.device) -
     return "none", "the checkpoint's weights are not 4- or 8-bit"
 
 
-def resolve_dtype(
-    dtype: str | torch.dtype | None, device: torch.device, quantization: str
-) -> tuple[torch.dtype, str]:
-    """The activations' dtype and why: bf16 on CUDA, with quantized weights (torch's int4 and
-    int8 CPU kernels are fast only with bf16 activations) and on a CPU with AMX; fp32
-    elsewhere."""
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> tuple[torch.dtype, str]:
+    """The activations' dtype and why: bf16 on CUDA and on a CPU with AMX; fp32 elsewhere.
+    Quantized weights take either: their kernel quantizes the activations to int8 itself."""
     if isinstance(dtype, torch.dtype):
-        chosen, why = dtype, "as asked"
-    elif dtype not in (None, "auto"):
+        return dtype, "as asked"
+    if dtype not in (None, "auto"):
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}: choose one of {', '.join(DTYPES)} or 'auto'")
-        chosen, why = DTYPES[dtype], "as asked"
-    elif device.type == "cuda":
-        chosen, why = torch.bfloat16, "on CUDA"
-    elif quantization != "none":
-        chosen, why = torch.bfloat16, f"{quantization} kernels take bf16 activations"
-    elif amx():
-        chosen, why = torch.bfloat16, "this CPU has AMX for bf16 matrix products"
-    else:
-        chosen, why = torch.float32, "without AMX, fp32 matrix products are the fastest"
-    if device.type == "cpu" and quantization != "none" and chosen != torch.bfloat16:
-        log.warning(
-            "%s weights with %s activations run torch's slow fallback kernel, several times "
-            "slower than with bfloat16",
-            quantization,
-            str(chosen).removeprefix("torch."),
-        )
-    return chosen, why
+        return DTYPES[dtype], "as asked"
+    if device.type == "cuda":
+        return torch.bfloat16, "on CUDA"
+    if amx():
+        return torch.bfloat16, "this CPU has AMX for bf16 matrix products"
+    return torch.float32, "without AMX, fp32 matrix products are the fastest"

@@ -1,18 +1,14 @@
-"""Weight-only quantized linear layers, run by torch's int4 and int8 CPU kernels.
+"""Weight-only quantized linear layers: weights in blocks of 32 at 4 or 8 bits, run by tinyllm's
+C++ kernel (quant_linear.cpp) on int8-quantized activations, as llama.cpp runs GGUF files.
 
-Two formats, each the layout one torch kernel reads, so a weight is never expanded to a dense
-matrix (gpt-fast's weight-only handlers are the model):
-
-- int4: groups of 32 weights along the input dimension, w = (q - 8) * scale + zero with q in
-  0..15; `torch.ops.aten._weight_int4pack_mm_for_cpu`. This is GGUF's Q4_1 exactly
-  (w = q * d + m: scale = d, zero = m + 8d) and Q4_0 (w = (q - 8) * d: zero = 0).
-- int8: one scale per output row, w = q * scale with q in -127..127;
-  `torch.ops.aten._weight_int8pack_mm`. GGUF's Q8_0 keeps a scale per 32 weights, which this
-  kernel cannot take, so Q8_0 is rescaled per row (at most half a step of its own grid off).
-
-Both kernels take activations and scales of one dtype, fp32 or bf16. `quantize_linears`
-rewrites a model's nn.Linear layers into these modules in one pass, from dense tensors (Hugging
-Face safetensors) or from GGUF's stored groups (`GroupQuantized`).
+One format for both widths: per block of 32 weights of a row, w = d * u + m with unsigned codes
+u (0..15 at 4 bits, 0..255 at 8) and an fp16 scale d and offset m. GGUF's Q4_1 is this exactly
+(u = q, m as stored), Q4_0 too (m = -8d) and Q8_0 (u = q + 128, m = -128d), so a GGUF file's
+blocks are packed as they are, never expanded to a dense matrix; other weights (Hugging Face
+safetensors, other GGUF types) are quantized here at load. `quantize_linears` rewrites a
+model's nn.Linear layers into `QuantLinear` in one pass (gpt-fast's weight-only handlers are
+the model). `pack` lays the blocks out as the kernel reads them; `unpack` is its inverse, used
+by the tied embeddings and the tests.
 """
 
 from dataclasses import dataclass
@@ -20,14 +16,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from tinyllm.model.cpu_library import library_error
 from tinyllm.model.precision import QUANTIZATIONS
 
-GROUP = 32
+GROUP = 32  # weights per scale
+TILE = 16  # output rows the kernel computes together, one per vector lane
 
 
 @dataclass
 class GroupQuantized:
-    """A weight as GGUF stores it: w[n, k] = q[n, k] * scale[n, k // 32] + zero[n, k // 32]."""
+    """A weight in blocks: w[n, k] = q[n, k] * scale[n, k // 32] + zero[n, k // 32]."""
 
     q: Tensor  # (N, K) integers: 0..15 for 4 bits, -127..127 for 8
     scale: Tensor  # (N, K // 32) float32
@@ -62,76 +60,118 @@ def cat_rows(weights: list[Tensor | GroupQuantized]) -> Tensor | GroupQuantized:
     return torch.cat([_dense(w) for w in weights])
 
 
-def int4_groups(w: Tensor) -> GroupQuantized:
-    """Min-max 4-bit quantization in groups of 32, as llama.cpp's Q4_1: each group's minimum
-    and maximum are exact grid points."""
+def _fp16(t: Tensor) -> Tensor:
+    """Values as the packed format stores them (fp16), so codes are chosen against those."""
+    return t.half().float()
+
+
+def _groups_of(w: Tensor) -> Tensor:
+    """(N, K) as (N, K / 32, 32), K zero-padded to whole groups."""
     n, k = w.shape
-    g = w.float().view(n, k // GROUP, GROUP)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scale = (hi - lo) / 15
+    w = nn.functional.pad(w.float(), (0, -k % GROUP))
+    return w.view(n, -1, GROUP)
+
+
+def int4_groups(w: Tensor) -> GroupQuantized:
+    """Min-max 4-bit quantization in groups of 32, as llama.cpp's Q4_1."""
+    g = _groups_of(w)
+    lo, hi = _fp16(g.amin(-1)), g.amax(-1)
+    scale = _fp16((hi - lo) / 15)
     q = ((g - lo[..., None]) / scale.clamp_min(1e-12)[..., None]).round().clamp(0, 15)
-    return GroupQuantized(q.to(torch.uint8).view(n, k), scale, lo, bits=4)
+    return GroupQuantized(q.to(torch.uint8).flatten(1), scale, lo, bits=4)
 
 
-class Int4Linear(nn.Module):
-    """y = x W^T (+ b) with W in 4-bit groups of 32 (see the module docstring)."""
+def int8_groups(w: Tensor) -> GroupQuantized:
+    """Symmetric 8-bit quantization in groups of 32, as llama.cpp's Q8_0."""
+    g = _groups_of(w)
+    scale = _fp16(g.abs().amax(-1) / 127)
+    q = (g / scale.clamp_min(1e-12)[..., None]).round().clamp(-127, 127)
+    return GroupQuantized(q.to(torch.int8).flatten(1), scale, torch.zeros_like(scale), bits=8)
 
-    def __init__(self, w: GroupQuantized, bias: Tensor | None, dtype: torch.dtype):
+
+def pack(w: GroupQuantized) -> Tensor:
+    """The kernel's layout (quant_linear.cpp): (N / 16 tiles, K / 32 blocks, record) uint8,
+    each record the codes of 16 rows x 32 weights, then their 16 fp16 d and 16 fp16 m."""
+    u, m = w.q.to(torch.int32), w.zero
+    if w.bits == 8:  # u = q + 128 (llama.cpp's quantizers never write -128)
+        u, m = u.clamp(-127, 127) + 128, m - 128 * w.scale
+    pad = -len(u) % TILE  # zero rows, whose outputs are never written
+    u, d, m = (nn.functional.pad(t, (0, 0, 0, pad)) for t in (u, w.scale, m))
+    tiles, blocks = len(u) // TILE, d.shape[1]
+    if w.bits == 4:
+        # (tile, row, block, chunk, nibble, j) -> (tile, block, chunk, row, j, nibble)
+        c = u.view(tiles, TILE, blocks, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+        codes = (c[..., 0] | c[..., 1] << 4).to(torch.uint8).reshape(tiles, blocks, -1)
+    else:
+        codes = u.view(tiles, TILE, blocks, 8, 4).permute(0, 2, 3, 1, 4)
+        codes = codes.to(torch.uint8).reshape(tiles, blocks, -1)
+    d, m = (t.view(tiles, TILE, blocks).transpose(1, 2).half() for t in (d, m))
+    scales = torch.cat([d, m], dim=-1).contiguous().view(torch.uint8)
+    return torch.cat([codes, scales], dim=-1).contiguous()
+
+
+def unpack(packed: Tensor, bits: int) -> Tensor:
+    """The dense fp32 weight (tiles * 16, blocks * 32) of `packed` (or of some of its tiles)."""
+    tiles, blocks, _ = packed.shape
+    n_code = TILE * GROUP * bits // 8
+    codes = packed[..., :n_code].to(torch.int32)
+    if bits == 4:
+        c = codes.view(tiles, blocks, 4, TILE, 4)
+        c = torch.stack([c & 0x0F, c >> 4], dim=-1)  # (tile, block, chunk, row, j, nibble)
+        u = c.permute(0, 3, 1, 2, 5, 4)
+    else:
+        u = codes.view(tiles, blocks, 8, TILE, 4).permute(0, 3, 1, 2, 4)
+    u = u.reshape(tiles * TILE, blocks, GROUP).float()
+    scales = packed[..., n_code:].contiguous().view(torch.float16).float()
+    d, m = (t.transpose(1, 2).reshape(tiles * TILE, blocks, 1) for t in scales.chunk(2, dim=-1))
+    return (u * d + m).flatten(1)
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ b) with W in 4- or 8-bit blocks of 32 (see the module docstring)."""
+
+    def __init__(
+        self, w: GroupQuantized, bias: Tensor | None, dtype: torch.dtype, in_features: int
+    ):
         super().__init__()
-        self.out_features, self.in_features = w.shape
-        self.register_buffer(
-            "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1)
+        if error := library_error():
+            raise RuntimeError(f"quantized weights need tinyllm's CPU kernels: {error}")
+        self.out_features, self.in_features = len(w.q), in_features  # w's K: whole groups
+        self.bits = w.bits
+        self.register_buffer("packed", pack(w))
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch.ops.tinyllm.quant_linear(
+            x.contiguous(), self.packed, self.out_features, self.bits
         )
-        # The kernel's (K // 32, N, 2) table of (scale, zero) for its (q - 8) convention.
-        table = torch.stack([w.scale, w.zero + 8 * w.scale], dim=-1).transpose(0, 1)
-        self.register_buffer("scales_and_zeros", table.contiguous().to(dtype))
-        self.register_buffer("bias", None if bias is None else bias.to(dtype))
-
-    def forward(self, x: Tensor) -> Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
         return y if self.bias is None else y + self.bias
 
 
-class Int8Linear(nn.Module):
-    """y = x W^T (+ b) with W in int8, one scale per output row."""
+class QuantEmbedding(nn.Module):
+    """Token embeddings read from a tied QuantLinear head's rows: one copy serves both."""
 
-    def __init__(self, w: Tensor, bias: Tensor | None, dtype: torch.dtype):
-        super().__init__()
-        self.out_features, self.in_features = w.shape
-        # Codes against the scale as the kernel will read it (bf16 rounds it): half a step off.
-        scale = (w.float().abs().amax(dim=1).clamp_min(1e-12) / 127).to(dtype)
-        q = (w.float() / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
-        self.register_buffer("weight", q)
-        self.register_buffer("scale", scale)
-        self.register_buffer("bias", None if bias is None else bias.to(dtype))
-
-    def forward(self, x: Tensor) -> Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
-        return y if self.bias is None else y + self.bias
-
-
-class Int8Embedding(nn.Module):
-    """Token embeddings read from a tied Int8Linear head's rows: one int8 copy serves both."""
-
-    def __init__(self, head: Int8Linear):
+    def __init__(self, head: QuantLinear, dtype: torch.dtype):
         super().__init__()
         self.head = [head]  # a list, so the head's buffers are not registered twice
+        self.dtype = dtype
 
     def forward(self, ids: Tensor) -> Tensor:
         head = self.head[0]
-        return head.weight[ids].to(head.scale.dtype) * head.scale[ids, None]
+        rows = unpack(head.packed[ids.flatten() // TILE], head.bits)
+        picked = rows.view(-1, TILE, rows.shape[1])[torch.arange(ids.numel()), ids.flatten() % TILE]
+        return picked[:, : head.in_features].to(self.dtype).view(*ids.shape, -1)
 
 
 def _dense(w: Tensor | GroupQuantized) -> Tensor:
     return w.dequantize() if isinstance(w, GroupQuantized) else w
 
 
-def _make(kind: str, w: Tensor | GroupQuantized, bias, dtype) -> nn.Module:
-    if kind == "int4" and w.shape[1] % GROUP == 0:
-        if not (isinstance(w, GroupQuantized) and w.bits == 4):
-            w = int4_groups(_dense(w))
-        return Int4Linear(w, bias, dtype)
-    return Int8Linear(_dense(w), bias, dtype)
+def _make(kind: str, w: Tensor | GroupQuantized, bias, dtype) -> QuantLinear:
+    bits, k = (4 if kind == "int4" else 8), w.shape[1]
+    if not (isinstance(w, GroupQuantized) and w.bits == bits):
+        w = (int4_groups if bits == 4 else int8_groups)(_dense(w))
+    return QuantLinear(w, bias, dtype, in_features=k)
 
 
 def quantize_linears(
@@ -142,7 +182,7 @@ def quantize_linears(
 
     mode "int4": the decoder layers' linears in 4 bits; the LM head in 8, as llama.cpp's
     quantizers keep the output layer at 6-8 bits. mode "int8": every linear in 8 bits. A tied
-    LM head's int8 rows also serve as the token embeddings.
+    LM head's rows also serve as the token embeddings.
     """
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantization={mode!r}: choose one of {', '.join(QUANTIZATIONS)}")
@@ -161,12 +201,12 @@ def quantize_linears(
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, new)
         if tied:
-            model.model.embed_tokens = Int8Embedding(model.lm_head)
+            model.model.embed_tokens = QuantEmbedding(model.lm_head, dtype)
     return {k: _dense(v).to(dtype) for k, v in state_dict.items()}
 
 
 def describe_weights(model: nn.Module) -> str:
     """How a model's linear layers run, e.g. "int4 weights, bfloat16 activations"."""
-    kinds = {type(m) for m in model.modules()}
-    quant = "int4" if Int4Linear in kinds else "int8" if Int8Linear in kinds else "dense"
+    bits = {m.bits for m in model.modules() if isinstance(m, QuantLinear)}
+    quant = f"int{min(bits)}" if bits else "dense"
     return f"{quant} weights, {str(model.dtype).removeprefix('torch.')} activations"
