@@ -47,12 +47,15 @@ def random_groups(n: int, k: int, bits: int, gen: torch.Generator) -> GroupQuant
 
 
 def quantized_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel sees it: int8 per block of 32 (zero-padded), scale max|x| / 127."""
+    """x as the kernel sees it: per block of 32 (zero-padded), two int8 codes on grids of
+    max|x| / 127 and 254 times finer."""
     k = x.shape[-1]
     g = nn.functional.pad(x.float(), (0, -k % 32)).view(len(x), -1, 32)
     amax = g.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    return ((g * inv).round() * (amax / 127)).flatten(1)
+    scaled = g * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    coarse = scaled.round()
+    fine = ((scaled - coarse) * 254).round()
+    return ((coarse + fine / 254) * (amax / 127)).flatten(1)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
@@ -86,7 +89,8 @@ SHAPES = [(96, 128), (40, 70), (33, 32)]  # K = 70: a partial last block; N = 33
 @pytest.mark.parametrize("shape", SHAPES)
 def test_quant_linear_is_dequantize_then_matmul(bits, rows, shape):
     """Every row count (the kernel runs rows in fours, then the rest) and ragged shapes, with
-    a bias: the kernel's sums equal the float64 product of the same numbers."""
+    a bias: the kernel's sums equal the float64 product of the same numbers (up to a fine
+    code that rounds the other way: 1e-4 here, where a coarse one would be 254 times that)."""
     n, k = shape
     gen = torch.Generator().manual_seed(rows * n + bits)
     w = torch.randn(n, k, generator=gen)
@@ -96,10 +100,10 @@ def test_quant_linear_is_dequantize_then_matmul(bits, rows, shape):
     x = torch.randn(rows, k, generator=gen)
     dense = groups.dequantize().double()  # K zero-padded to whole groups, as the activations
     expected = quantized_activations(x).double() @ dense.T + bias
-    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-4)
-    # Against the unrounded activations: their rounding costs under 1% of the output's scale.
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-4, atol=1e-3)
+    # Against the unrounded activations: their rounding costs about 15 bits.
     exact = x.double() @ groups.dequantize()[:, :k].double().T + bias
-    assert (layer(x) - exact).abs().max() < 0.01 * exact.abs().max()
+    assert (layer(x) - exact).abs().max() < 1e-4 * exact.abs().max()
 
 
 def test_quant_linear_takes_bf16_activations():
@@ -215,7 +219,7 @@ for bits, quantize in ((4, int4_groups), (8, int8_groups)):
         x = torch.randn(rows, 70, generator=gen)
         y = torch.ops.tinyllm.quant_linear(x, pack(g), 40, bits)
         expected = quantized_activations(x).double() @ g.dequantize().double().T
-        torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(y.double(), expected, rtol=1e-4, atol=1e-3)
 print("ok")
 """
 

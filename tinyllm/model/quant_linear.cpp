@@ -1,8 +1,13 @@
 // y = x W^T for W quantized in blocks of 32 weights (4 or 8 bits), run as llama.cpp runs GGUF
-// files: each call quantizes the activations to int8 per block of 32 (qx, with a scale dx),
-// then every block's dot product is integer multiply-adds (AVX512-VNNI's vpdpbusd: 64 u8 x s8
-// products a step), scaled once per block:
-//   sum_k w[k] x[k] = sum_blocks  d dx sum(u qx)  +  m dx sum(qx)      for w = d u + m.
+// files: each call quantizes the activations to integers per block of 32, then every block's
+// dot product is integer multiply-adds (AVX512-VNNI's vpdpbusd: 64 u8 x s8 products a step),
+// scaled once per block:
+//   sum_k w[k] x[k] = sum_blocks  d sum(u x)  +  m sum(x)      for w = d u + m.
+// Unlike llama.cpp, an activation is two int8 codes, x = dx (q1 + q2 / 254): q1 rounds x on the
+// block's grid (dx = max|x| / 127), q2 rounds what q1 left, 254 times finer. One int8 code
+// alone costs the small values of a block with a large one most of their bits, which flipped
+// near-tied greedy tokens of the default model; two are exact to about 15 bits, and at one
+// row, where the weights' bytes bound the time, the second pass is nearly free.
 // torch's own int4 kernel unpacks every weight to a float first and is bound by that, not by
 // memory; this one reads each weight byte once and does a few instructions per 32 weights.
 //
@@ -33,6 +38,7 @@ namespace {
 
 constexpr int64_t kRows = 16;   // output rows per tile
 constexpr int64_t kBlock = 32;  // weights per scale
+constexpr float kFine = 254.f;  // q2's grid: 254 steps to one of q1's (|x - dx q1| <= dx / 2)
 constexpr int kMaxRows = 4;     // activation rows sharing one pass over a tile's codes
 // Records fetched ahead of use: at one activation row the kernel is bound by memory, and the
 // hardware prefetcher alone left a third of the bandwidth unused (benchmarks/linear_kernels.py).
@@ -41,8 +47,8 @@ constexpr int64_t kAhead = 16;
 constexpr int64_t code_bytes(int bits) { return kRows * kBlock * bits / 8; }
 constexpr int64_t record_bytes(int bits) { return code_bytes(bits) + 2 * kRows * 2; }
 
-// Activations as int8 blocks: row i's block b is q[(i * blocks + b) * 32 ...], its scale
-// d[i * blocks + b] and s = d * sum(q), which multiplies the weights' m.
+// Activations as int8 blocks: row i's block b is q[(i * blocks + b) * 64 ...], q1 then q2 (32
+// codes each), its scale d[i * blocks + b] and s = its sum(x), which multiplies the weights' m.
 struct Quantized {
   const int8_t* q;
   const float* d;
@@ -64,14 +70,17 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, int64_t blocks, int8_t* 
           amax = std::max(amax, std::fabs(v[j]));
         }
         const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        int32_t sum = 0;
-        int8_t* out = q + (i * blocks + b) * kBlock;
+        int32_t sum1 = 0, sum2 = 0;
+        int8_t *q1 = q + (i * blocks + b) * 2 * kBlock, *q2 = q1 + kBlock;
         for (int64_t j = 0; j < kBlock; ++j) {
-          out[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
-          sum += out[j];
+          const float coarse = std::nearbyint(v[j] * inv);
+          q1[j] = static_cast<int8_t>(coarse);
+          q2[j] = static_cast<int8_t>(std::nearbyint((v[j] * inv - coarse) * kFine));
+          sum1 += q1[j];
+          sum2 += q2[j];
         }
         d[i * blocks + b] = scale;
-        s[i * blocks + b] = scale * static_cast<float>(sum);
+        s[i * blocks + b] = scale * (static_cast<float>(sum1) + static_cast<float>(sum2) / kFine);
       }
     }
   });
@@ -118,14 +127,18 @@ void tile_dot(const uint8_t* tile, const Quantized& x, float (*acc)[kRows]) {
     const __m512 m =
         _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32)));
     for (int r = 0; r < R; ++r) {
-      const int8_t* q = x.q + (r * x.blocks + b) * kBlock;
-      // Two chains of four, so consecutive multiply-adds do not wait on each other.
-      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
-      for (int c = 0; c < 8; c += 2) {
-        even = _mm512_dpbusd_epi32(even, w[c], _mm512_set1_epi32(load_i32(q + 4 * c)));
-        odd = _mm512_dpbusd_epi32(odd, w[c + 1], _mm512_set1_epi32(load_i32(q + 4 * c + 4)));
+      const int8_t* q = x.q + (r * x.blocks + b) * 2 * kBlock;
+      // A chain per code and parity, so consecutive multiply-adds do not wait on each other.
+      __m512i dots[2][2] = {};
+      for (int c = 0; c < 8; ++c) {
+        for (int fine = 0; fine < 2; ++fine) {
+          const __m512i qx = _mm512_set1_epi32(load_i32(q + fine * kBlock + 4 * c));
+          dots[fine][c % 2] = _mm512_dpbusd_epi32(dots[fine][c % 2], w[c], qx);
+        }
       }
-      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+      const __m512 coarse = _mm512_cvtepi32_ps(_mm512_add_epi32(dots[0][0], dots[0][1]));
+      const __m512 fine = _mm512_cvtepi32_ps(_mm512_add_epi32(dots[1][0], dots[1][1]));
+      const __m512 dot = _mm512_fmadd_ps(fine, _mm512_set1_ps(1.f / kFine), coarse);
       const int64_t i = r * x.blocks + b;
       sum[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(x.d[i])), sum[r]);
       sum[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[i]), sum[r]);
@@ -183,15 +196,18 @@ void tile_dot(const uint8_t* tile, const Quantized& x, float (*acc)[kRows]) {
       __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 32)));
       if (s8) m = _mm256_fmadd_ps(d, _mm256_set1_ps(128.f), m);
       for (int r = 0; r < R; ++r) {
-        const int8_t* q = x.q + (r * x.blocks + b) * kBlock;
-        __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
-        for (int c = 0; c < 8; c += 2) {
-          const __m256i qe = _mm256_set1_epi32(load_i32(q + 4 * c));
-          const __m256i qo = _mm256_set1_epi32(load_i32(q + 4 * c + 4));
-          even = s8 ? dot_s8s8(even, w[c], qe) : dot_u8s8(even, w[c], qe);
-          odd = s8 ? dot_s8s8(odd, w[c + 1], qo) : dot_u8s8(odd, w[c + 1], qo);
+        const int8_t* q = x.q + (r * x.blocks + b) * 2 * kBlock;
+        __m256i dots[2][2] = {};
+        for (int c = 0; c < 8; ++c) {
+          for (int fine = 0; fine < 2; ++fine) {
+            const __m256i qx = _mm256_set1_epi32(load_i32(q + fine * kBlock + 4 * c));
+            __m256i& acc = dots[fine][c % 2];
+            acc = s8 ? dot_s8s8(acc, w[c], qx) : dot_u8s8(acc, w[c], qx);
+          }
         }
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(even, odd));
+        const __m256 coarse = _mm256_cvtepi32_ps(_mm256_add_epi32(dots[0][0], dots[0][1]));
+        const __m256 fine = _mm256_cvtepi32_ps(_mm256_add_epi32(dots[1][0], dots[1][1]));
+        const __m256 dot = _mm256_fmadd_ps(fine, _mm256_set1_ps(1.f / kFine), coarse);
         const int64_t i = r * x.blocks + b;
         sum[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(x.d[i])), sum[r]);
         sum[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[i]), sum[r]);
@@ -212,8 +228,8 @@ void tile_dot(const uint8_t* tile, const Quantized& x, float (*acc)[kRows]) {
     const c10::Half* scales = reinterpret_cast<const c10::Half*>(rec + code_bytes(BITS));
     for (int64_t row = 0; row < kRows; ++row) {
       for (int r = 0; r < R; ++r) {
-        const int8_t* q = x.q + (r * x.blocks + b) * kBlock;
-        int32_t dot = 0;
+        const int8_t* q = x.q + (r * x.blocks + b) * 2 * kBlock;
+        int32_t coarse = 0, fine = 0;
         for (int64_t j = 0; j < kBlock; ++j) {
           const int64_t quad = j / 4;
           int32_t u;
@@ -223,10 +239,12 @@ void tile_dot(const uint8_t* tile, const Quantized& x, float (*acc)[kRows]) {
           } else {
             u = rec[64 * quad + 4 * row + j % 4];
           }
-          dot += u * q[j];
+          coarse += u * q[j];
+          fine += u * q[kBlock + j];
         }
+        const float dot = static_cast<float>(coarse) + static_cast<float>(fine) / kFine;
         const int64_t i = r * x.blocks + b;
-        acc[r][row] += static_cast<float>(dot) * static_cast<float>(scales[row]) * x.d[i] +
+        acc[r][row] += dot * static_cast<float>(scales[row]) * x.d[i] +
                        static_cast<float>(scales[kRows + row]) * x.s[i];
       }
     }
@@ -248,7 +266,7 @@ void run_tiles(const uint8_t* packed, const Quantized& x, T* y, int64_t rows, in
       const int64_t width = std::min(kRows, n - t * kRows);
       for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
         Quantized part = x;
-        part.q += r0 * x.blocks * kBlock;
+        part.q += r0 * x.blocks * 2 * kBlock;
         part.d += r0 * x.blocks;
         part.s += r0 * x.blocks;
         switch (std::min<int64_t>(kMaxRows, rows - r0)) {
@@ -280,7 +298,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
   auto sizes = x.sizes().vec();
   sizes.back() = n;
   at::Tensor y = at::empty(sizes, x.options());
-  at::Tensor q = at::empty({rows * blocks * kBlock}, x.options().dtype(at::kChar));
+  at::Tensor q = at::empty({rows * blocks * 2 * kBlock}, x.options().dtype(at::kChar));
   at::Tensor scales = at::empty({2, rows * blocks}, x.options().dtype(at::kFloat));
   float *d = scales.data_ptr<float>(), *s = d + rows * blocks;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quant_linear", [&] {
