@@ -117,6 +117,33 @@ def test_bf16_accumulates_in_fp32(backend, step):
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
 
 
+@settings(max_examples=25, deadline=None)
+@given(step=steps())
+def test_forward_writes_the_new_kv_from_the_fused_rows(backend, step):
+    """`forward` as the model calls it: q, k and v are views into one fused qkv row per token
+    (strided), written into the caches by the kernel itself; the caches and the output are
+    the reference backend's (index_copy_, then attention)."""
+    (q, k, v, k_cache, v_cache, meta), _ = build(**step)
+    qkv = torch.cat([t.flatten(1) for t in (q, k, v)], dim=1)
+    Hq, Hkv, D = step["Hq"], step["Hkv"], step["D"]
+    views = qkv[:, : Hq * D].view(-1, Hq, D), qkv[:, Hq * D : (Hq + Hkv) * D].view(-1, Hkv, D)
+    views += (qkv[:, (Hq + Hkv) * D :].view(-1, Hkv, D),)
+    ours_k, ours_v = k_cache.clone(), v_cache.clone()
+    for cache in (ours_k, ours_v):
+        cache.view(-1, Hkv, D)[meta.slot_mapping] = float("nan")  # the kernel must write these
+    out = backend.forward(*views, ours_k, ours_v, meta, D**-0.5)
+    expected = REFERENCE.forward(q, k, v, k_cache, v_cache, meta, D**-0.5)
+    assert torch.equal(ours_k, k_cache) and torch.equal(ours_v, v_cache)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_forward_refuses_a_slot_outside_the_cache(backend):
+    (q, k, v, k_cache, v_cache, meta), _ = build([(5, 5)], 4, 4, 2, 8, seed=1)
+    meta.slot_mapping[2] = k_cache.shape[0] * k_cache.shape[1]
+    with pytest.raises(RuntimeError, match=f"slot {meta.slot_mapping[2]} outside the cache's"):
+        backend.forward(q, k, v, k_cache, v_cache, meta, 0.3)
+
+
 def test_other_dtypes_use_the_reference(backend):
     args, _ = build([(20, 1), (30, 12)], 4, 4, 2, 8, seed=0, dtype=torch.float16)
     assert torch.equal(backend.attend(*args, scale=0.3), REFERENCE.attend(*args, scale=0.3))

@@ -20,6 +20,7 @@ log = logging.getLogger("tinyllm")
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "attention" / "cpu_kernel.cpp", HERE / "layer_ops.cpp", HERE / "quant_linear.cpp"]
+HEADERS = [HERE / "fast_exp.h"]
 # Lets the compiler sum a dot product in a tree of vector adds rather than in order, one lane at
 # a time; unlike -ffast-math it keeps inf and NaN semantics.
 REASSOCIATE = ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
@@ -78,7 +79,7 @@ def _is_built(name: str) -> bool:
     from torch.utils.cpp_extension import _get_build_directory
 
     library = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
-    newest = max(s.stat().st_mtime for s in SOURCES)
+    newest = max(s.stat().st_mtime for s in SOURCES + HEADERS)
     return library.is_file() and library.stat().st_mtime >= newest
 
 

@@ -12,6 +12,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "fast_exp.h"
+
 #include <cmath>
 #include <cstdint>
 
@@ -124,7 +126,8 @@ void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
         for (int64_t i = 0; i < f; ++i) {
           const float a = f32(g[i]);
           // Rounded after the SiLU as torch's two ops round: the same numbers in bf16.
-          o[r * f + i] = static_cast<scalar_t>(f32(static_cast<scalar_t>(a / (1.f + std::exp(-a)))) * f32(u[i]));
+          o[r * f + i] = static_cast<scalar_t>(
+              f32(static_cast<scalar_t>(a / (1.f + tinyllm::fast_exp(-a)))) * f32(u[i]));
         }
       }
     });

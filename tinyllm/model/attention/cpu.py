@@ -40,7 +40,8 @@ def _kernel() -> Callable[..., None]:
 
 class CPUBackend(AttentionBackend):
     """Every row, decode and prefill alike, in the kernel, for fp32 and bf16 (q and both caches
-    of one dtype); anything else goes to the reference backend."""
+    of one dtype); anything else goes to the reference backend. `forward` writes the new K/V
+    into the cache in the same op, reading them (and q) in place in the fused qkv rows."""
 
     name = "cpu"
 
@@ -48,16 +49,25 @@ class CPUBackend(AttentionBackend):
         self.kernel = kernel
         self.reference = ReferenceBackend()
 
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> Tensor:
+        if not _native(q, k_cache, v_cache):
+            return self.reference.forward(q, k, v, k_cache, v_cache, meta, scale)
+        return self._run(q, k_cache, v_cache, (k, v, meta.slot_mapping), meta, scale)
+
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> Tensor:
-        if not (q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in SUPPORTED):
+        if not _native(q, k_cache, v_cache):
             return self.reference.attend(q, k, v, k_cache, v_cache, meta, scale)
-        q = q.contiguous()
-        out = torch.empty_like(q)
-        tables, lens, starts = (
-            t.contiguous() for t in (meta.block_tables, meta.seq_lens, meta.query_start_loc)
-        )
-        self.kernel(out, q, k_cache, v_cache, tables, lens, starts, meta.num_rows, scale)
+        return self._run(q, k_cache, v_cache, (None, None, None), meta, scale)
+
+    def _run(self, q, k_cache, v_cache, new_kv, meta: AttentionMetadata, scale: float) -> Tensor:
+        out = q.new_empty(q.shape)
+        tables, lens, starts = meta.block_tables, meta.seq_lens, meta.query_start_loc
+        self.kernel(out, q, k_cache, v_cache, *new_kv, tables, lens, starts, meta.num_rows, scale)
         return out
+
+
+def _native(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
+    return q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in SUPPORTED
 
 
 def load_cpu_backend() -> tuple[AttentionBackend | None, str]:

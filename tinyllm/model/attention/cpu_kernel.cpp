@@ -17,6 +17,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "../fast_exp.h"
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -24,10 +26,13 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
 namespace {
+
+using tinyllm::fast_exp;
 
 constexpr int64_t kTile = 32;   // keys per online-softmax step: 8 KiB of fp32 K at D=64
 // Floats per vector: the target's register width, as the compiler splits wider vectors badly.
@@ -46,32 +51,11 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
-// exp(x) for x <= 0 (scores minus their running max), branch-free so that a loop of it
-// vectorizes: 2^n * e^r with r in [-ln2/2, ln2/2] and Cephes' polynomial for e^r (about 1 ulp).
-// Below -87, -inf included, it returns ~1e-38, not 0: where an exact 0 matters (masked keys),
-// callers set it.
-inline float fast_exp(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 // What every item reads. kD: the head dim when it is known at compile time (loops the compiler
 // unrolls), else 0 and loops run to the runtime D.
 template <int64_t kD, typename T>
 struct Step {
-  int64_t Hq, D, bs, Hkv, G, max_blocks;
+  int64_t Hq, D, bs, Hkv, G, max_blocks, q_row;  // q_row: q's stride between tokens
   const T *q, *k_cache, *v_cache;
   T* out;
   const int64_t *tables, *lens, *starts;
@@ -120,7 +104,7 @@ template <int64_t kD, typename T>
 void decode(const Step<kD, T>& c, int64_t row, int64_t g, Scratch& w) {
   const int64_t D = c.head_dim(), G = c.G, L = c.lens[row];
   float *qf = w.q.data(), *acc = w.out.data(), *m = w.m.data(), *l = w.l.data();
-  const T* q = c.q + (c.starts[row] * c.Hq + g * G) * D;  // the group's heads are adjacent
+  const T* q = c.q + c.starts[row] * c.q_row + g * G * D;  // the group's heads are adjacent
   for (int64_t x = 0; x < G * D; ++x) qf[x] = to_float(q[x]) * c.scale;
   std::fill(acc, acc + G * D, 0.f);
   std::fill(m, m + G, -kInf);
@@ -191,7 +175,7 @@ void prefill(const Step<kD, T>& c, int64_t row, int64_t g, int64_t j0, Scratch& 
   Block limit;  // a query sees keys [0, limit): up to its own position, L - n + j / G
   for (int64_t y = 0; y < kVecs * kLanes; ++y) {
     const int64_t j = j0 + std::min(y, nj - 1);  // spare lanes repeat the last query
-    const T* q = c.q + ((c.starts[row] + j / G) * c.Hq + g * G + j % G) * D;
+    const T* q = c.q + (c.starts[row] + j / G) * c.q_row + (g * G + j % G) * D;
     for (int64_t d = 0; d < D; ++d) qt[d][y / kLanes][y % kLanes] = to_float(q[d]) * c.scale;
     limit[y / kLanes][y % kLanes] = static_cast<float>(L - n + j / G + 1);
   }
@@ -289,7 +273,7 @@ void attend_impl(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k
                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_rows,
                  double scale) {
   const int64_t Hkv = k_cache.size(2), G = q.size(1) / Hkv, D = q.size(2);
-  const Step<kD, T> c{q.size(1), D, k_cache.size(1), Hkv, G, block_tables.size(1),
+  const Step<kD, T> c{q.size(1), D, k_cache.size(1), Hkv, G, block_tables.size(1), q.stride(0),
                       q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
                       out.data_ptr<T>(), block_tables.data_ptr<int64_t>(),
                       seq_lens.data_ptr<int64_t>(), query_start_loc.data_ptr<int64_t>(),
@@ -337,15 +321,48 @@ void attend_typed(const at::Tensor& out, const at::Tensor& q, const at::Tensor& 
   }
 }
 
-// Attention for rows [0, num_rows) of the step, written into out (N, Hq, D); the caches hold
-// every row's context, this step's new tokens included.
+// Each new token's K and V rows (N, Hkv, D), rows possibly strided (views of the fused qkv),
+// copied to its cache slot.
+void write_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
+                 const at::Tensor& v, const at::Tensor& slot_mapping) {
+  const int64_t n = k.size(0), width = k.size(1) * k.size(2), slots = k_cache.numel() / width;
+  TORCH_CHECK(v.sizes() == k.sizes() && k.size(1) == k_cache.size(2) &&
+                  k.size(2) == k_cache.size(3) && slot_mapping.numel() == n,
+              "k, v and slot_mapping must match the caches' heads and each other");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 &&
+                  v.stride(1) == v.size(2) && k.scalar_type() == k_cache.scalar_type() &&
+                  v.scalar_type() == k_cache.scalar_type(),
+              "k and v: rows of contiguous heads, of the caches' dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "slot_mapping must be contiguous int64");
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot ", slot[t], " outside the cache's ", slots);
+  }
+  const int64_t bytes = width * k.element_size();
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const auto *ks = static_cast<const char*>(k.data_ptr()), *vs = static_cast<const char*>(v.data_ptr());
+  for (int64_t t = 0; t < n; ++t) {
+    std::memcpy(kc + slot[t] * bytes, ks + t * k.stride(0) * k.element_size(), bytes);
+    std::memcpy(vc + slot[t] * bytes, vs + t * v.stride(0) * v.element_size(), bytes);
+  }
+}
+
+// Attention for rows [0, num_rows) of the step, written into out (N, Hq, D). With k, v and
+// slot_mapping, the step's new K/V rows are written into the caches first; without, the caches
+// already hold every row's context, this step's new tokens included. q's rows may be strided.
 void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
-            const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+            const at::Tensor& v_cache, const std::optional<at::Tensor>& k,
+            const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& slot_mapping,
+            const at::Tensor& block_tables, const at::Tensor& seq_lens,
             const at::Tensor& query_start_loc, int64_t num_rows, double scale) {
-  for (const at::Tensor* t : {&out, &q, &k_cache, &v_cache, &block_tables, &seq_lens,
+  for (const at::Tensor* t : {&out, &k_cache, &v_cache, &block_tables, &seq_lens,
                               &query_start_loc}) {
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "tensors must be contiguous, on CPU");
   }
+  TORCH_CHECK(q.device().is_cpu() && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q: rows of contiguous heads, on CPU");
   for (const at::Tensor* t : {&out, &k_cache, &v_cache}) {
     TORCH_CHECK(t->scalar_type() == q.scalar_type(), "q, out and the caches must share a dtype");
   }
@@ -354,6 +371,9 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
   }
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(q.size(2) == k_cache.size(3), "q and the caches must share a head dim");
+  TORCH_CHECK(k.has_value() == v.has_value() && k.has_value() == slot_mapping.has_value(),
+              "k, v and slot_mapping come together");
+  if (k) write_cache(k_cache, v_cache, *k, *v, *slot_mapping);
   if (q.scalar_type() == at::kFloat) {
     attend_typed<float>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                         num_rows, scale);
@@ -371,8 +391,8 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
 // time torch/extension.h takes.
 TORCH_LIBRARY(tinyllm, m) {
   m.def(
-      "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
-      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int num_rows, float scale) "
-      "-> ()",
+      "paged_attention(Tensor(a!) out, Tensor q, Tensor(b!) k_cache, Tensor(c!) v_cache, "
+      "Tensor? k, Tensor? v, Tensor? slot_mapping, Tensor block_tables, Tensor seq_lens, "
+      "Tensor query_start_loc, int num_rows, float scale) -> ()",
       &attend);
 }
