@@ -238,3 +238,11 @@ def test_other_instruction_set_levels_compute_the_same(level):
         [sys.executable, "-c", OTHER_LEVEL, level], cwd=root, capture_output=True, text=True
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_a_level_can_be_forced_but_not_misnamed(monkeypatch):
+    monkeypatch.setenv("TINYLLM_CPU_LEVEL", "generic")
+    assert cpu_library.level() == "generic"
+    monkeypatch.setenv("TINYLLM_CPU_LEVEL", "avx9")
+    with pytest.raises(ValueError, match="TINYLLM_CPU_LEVEL='avx9': choose one of avx512vnni"):
+        cpu_library.level()

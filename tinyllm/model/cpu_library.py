@@ -40,7 +40,12 @@ LEVELS = {
 
 
 def level() -> str:
-    """The best level this CPU runs."""
+    """The best level this CPU runs, or TINYLLM_CPU_LEVEL's (a lower one, to measure or debug
+    the paths another machine would take)."""
+    if forced := os.environ.get("TINYLLM_CPU_LEVEL"):
+        if forced not in LEVELS:
+            raise ValueError(f"TINYLLM_CPU_LEVEL={forced!r}: choose one of {', '.join(LEVELS)}")
+        return forced
     cap, has = torch.backends.cpu.get_cpu_capability(), torch.cpu.get_capabilities()
     if cap == "AVX512":
         return "avx512vnni" if has.get("avx512_vnni") else "avx512"
