@@ -14,13 +14,10 @@ from tinyllm.model.cpu_library import library_error
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def native(*tensors: Tensor) -> bool:
-    """Whether the C++ ops take these tensors: on the CPU, fp32 or bf16, rows contiguous, and
-    the library built."""
-    return (
-        all(t.device.type == "cpu" and t.dtype in NATIVE_DTYPES for t in tensors)
-        and library_error() is None
-    )
+def native(x: Tensor) -> bool:
+    """Whether the C++ ops take x (and the tensors that go with it, of its device and dtype):
+    on the CPU, fp32 or bf16, and the library built. Called per op and layer: kept cheap."""
+    return x.is_cpu and x.dtype in NATIVE_DTYPES and library_error() is None
 
 
 def rms_norm(
@@ -28,7 +25,8 @@ def rms_norm(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """RMSNorm(x) * weight. With `residual`: h = x + residual, then (RMSNorm(h) * weight, h);
     the C++ op writes h into `residual`'s memory."""
-    if native(x, weight) and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+    contiguous = x.is_contiguous() and (residual is None or residual.is_contiguous())
+    if native(x) and weight.dtype == x.dtype and contiguous:
         out = torch.empty_like(x)
         torch.ops.tinyllm.rms_norm(out, x, residual, weight, eps)
         return out if residual is None else (out, residual)

@@ -86,9 +86,7 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, positions: Tensor, rope: Rope, ctx: ForwardContext) -> Tensor:
         N, H, KV, D = x.shape[0], self.n_heads, self.n_kv, self.head_dim
         qkv = self.qkv_proj(x)
-        q = qkv[:, : H * D].view(N, H, D)
-        k = qkv[:, H * D : (H + KV) * D].view(N, KV, D)
-        v = qkv[:, (H + KV) * D :].view(N, KV, D)
+        q, k, v = qkv.view(N, H + 2 * KV, D).split([H, KV, KV], dim=1)
         if self.q_norm is not None:  # Qwen3: per head, before the rotation
             q.copy_(self.q_norm(q))
             k.copy_(self.k_norm(k))
