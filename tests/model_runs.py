@@ -8,14 +8,17 @@ from tinyllm.engine.kv_cache_manager import KVCacheManager
 from tinyllm.engine.model_runner import ModelRunner
 from tinyllm.engine.request import Request
 from tinyllm.engine.sampling_params import SamplingParams
-from tinyllm.model.attention.reference import ReferenceBackend
+from tinyllm.model.attention import get_backend
 from tinyllm.model.llama import Transformer
 
 
-def prompt_logits(model: Transformer, prompts: list[list[int]], block_size: int = 4):
-    """Each prompt's logits at every position, (len, vocab), all prompts in one flat batch."""
+def prompt_logits(
+    model: Transformer, prompts: list[list[int]], block_size: int = 4, backend: str = "auto"
+):
+    """Each prompt's logits at every position, (len, vocab), all prompts in one flat batch,
+    with the attention backend an engine would use (on the CPU, whole layers as C++ ops)."""
     kv = KVCacheManager(sum(math.ceil(len(p) / block_size) for p in prompts), block_size)
-    runner = ModelRunner(model, kv.num_blocks, block_size, ReferenceBackend())
+    runner = ModelRunner(model, kv.num_blocks, block_size, get_backend(backend, model.device))
     requests = [
         Request(str(i), p, SamplingParams(max_tokens=1), 1, [], seed=0)
         for i, p in enumerate(prompts)

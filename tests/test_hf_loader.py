@@ -82,13 +82,15 @@ def _write_tokenizer(path: Path) -> None:
     )
 
 
-def _ours(config, weights: dict, ids: torch.Tensor, pads: list[int]) -> torch.Tensor:
+def _ours(
+    config, weights: dict, ids: torch.Tensor, pads: list[int], backend: str = "auto"
+) -> torch.Tensor:
     """Our logits for each row's real tokens, concatenated row by row."""
     with torch.device("meta"):
         model = Transformer(config)
     model.load_weights(weights)
     prompts = [row[pad:].tolist() for row, pad in zip(ids, pads, strict=True)]
-    return torch.cat(prompt_logits(model, prompts))
+    return torch.cat(prompt_logits(model, prompts, backend=backend))
 
 
 def _padded_batch(pads: list[int], T: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,9 +99,11 @@ def _padded_batch(pads: list[int], T: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+# "cpu": whole layers as C++ ops (DecoderLayer.forward_native); "reference": the modules.
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
 @pytest.mark.parametrize("case", CASES)
-def test_logits_match_transformers(case: str, sharded: bool, tmp_path: Path) -> None:
+def test_logits_match_transformers(case: str, sharded: bool, backend: str, tmp_path: Path) -> None:
     family, overrides = CASES[case]
     ref_model = _random_hf_model(family, **overrides)
     path = _save(ref_model, tmp_path / case, sharded)
@@ -112,7 +116,7 @@ def test_logits_match_transformers(case: str, sharded: bool, tmp_path: Path) -> 
     assert config.tie_word_embeddings == overrides.get("tie_word_embeddings", False)
     pads = [0, 3, 9]
     ids, mask = _padded_batch(pads, T=12)
-    ours = _ours(config, hf_weights(path, torch.float32), ids, pads)
+    ours = _ours(config, hf_weights(path, torch.float32), ids, pads, backend)
     # Positions count real tokens only, as tinyllm's cache does for left-padded rows.
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():

@@ -1,6 +1,7 @@
 """Building tinyllm's C++ CPU ops: paged attention (attention/cpu_kernel.cpp), a decoder
-layer's element-wise steps (layer_ops.cpp) and linear layers on quantized weights
-(quant_linear.cpp), one library registering torch.ops.tinyllm.*.
+layer's element-wise steps (layer_ops.cpp), linear layers on quantized weights
+(quant_linear.cpp) and a whole decoder layer from those (decoder_layer.cpp), one library
+registering torch.ops.tinyllm.*.
 
 It is compiled at first use by torch.utils.cpp_extension (a C++ compiler and ninja, about 15 s;
 torch caches the build, so later processes only load it). The ops run on torch's intra-op
@@ -19,8 +20,13 @@ import torch
 log = logging.getLogger("tinyllm")
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "attention" / "cpu_kernel.cpp", HERE / "layer_ops.cpp", HERE / "quant_linear.cpp"]
-HEADERS = [HERE / "fast_exp.h"]
+SOURCES = [
+    HERE / "attention" / "cpu_kernel.cpp",
+    HERE / "layer_ops.cpp",
+    HERE / "quant_linear.cpp",
+    HERE / "decoder_layer.cpp",
+]
+HEADERS = [HERE / "fast_exp.h", HERE / "cpu_ops.h"]
 # Lets the compiler sum a dot product in a tree of vector adds rather than in order, one lane at
 # a time; unlike -ffast-math it keeps inf and NaN semantics.
 REASSOCIATE = ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]

@@ -12,6 +12,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
 #include "fast_exp.h"
 
 #include <cmath>
@@ -53,6 +54,10 @@ void rms_norm_impl(T* out, T* residual, const T* x, const T* weight, int64_t row
     }
   });
 }
+
+}  // namespace
+
+namespace tinyllm {
 
 // out = RMSNorm(x) * weight; with `residual`, first residual += x (in place), then the norm of
 // that sum. x, out: (rows, dim); out may be x.
@@ -134,13 +139,13 @@ void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
   });
 }
 
-}  // namespace
+}  // namespace tinyllm
 
 TORCH_LIBRARY_FRAGMENT(tinyllm, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor(b!)? residual, Tensor weight, float eps) -> ()",
-        &rms_norm);
+        &tinyllm::rms_norm);
   m.def("rotary(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int heads, int head_dim) "
         "-> ()",
-        &rotary);
-  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()", &silu_and_mul);
+        &tinyllm::rotary);
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()", &tinyllm::silu_and_mul);
 }

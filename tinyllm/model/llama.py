@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from tinyllm.model import layer_ops
 from tinyllm.model.attention import ForwardContext
 from tinyllm.model.config import ModelConfig
-from tinyllm.model.quant import cat_rows
+from tinyllm.model.quant import QuantLinear, cat_rows
 
 
 class RMSNorm(nn.Module):
@@ -107,13 +107,56 @@ class MLP(nn.Module):
         return self.down_proj(layer_ops.silu_and_mul(self.gate_up_proj(x)))
 
 
+def _weight(linear: nn.Module) -> Tensor:
+    return linear.packed if isinstance(linear, QuantLinear) else linear.weight
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, c: ModelConfig, layer: int):
         super().__init__()
+        self.layer, self.config = layer, c
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c, layer)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
+        self.native_args: tuple = ()  # forward_native's weights, once loaded
+
+    def load_native_args(self) -> None:
+        """The weights as torch.ops.tinyllm.decoder_layer takes them, gathered once: at one
+        decode row, walking the submodules for them every step is a cost of its own."""
+        a, mlp, c = self.self_attn, self.mlp, self.config
+        weights = [
+            self.input_layernorm.weight,
+            _weight(a.qkv_proj),
+            _weight(a.o_proj),
+            self.post_attention_layernorm.weight,
+            _weight(mlp.gate_up_proj),
+            _weight(mlp.down_proj),
+        ]
+        norms = (None, None) if a.q_norm is None else (a.q_norm.weight, a.k_norm.weight)
+        self.native_args = (
+            weights,
+            a.qkv_proj.bias,
+            *norms,
+            c.num_heads,
+            c.num_kv_heads,
+            c.intermediate_size,
+            c.rms_norm_eps,
+            a.scale,
+        )
+
+    def forward_native(self, residual: Tensor, positions: Tensor, rope: Rope, ctx) -> None:
+        """The whole layer as one C++ op (model/decoder_layer.cpp), the same steps as `forward`
+        from the same kernels as the CPU attention backend's: residual += each sublayer's
+        output, in place."""
+        weights, bias, q_norm, k_norm, heads, kv_heads, inter, eps, scale = self.native_args
+        k_cache, v_cache = ctx.kv_caches[self.layer]
+        m = ctx.meta
+        torch.ops.tinyllm.decoder_layer(
+            residual, positions, rope.cos, rope.sin, weights, bias, q_norm, k_norm,
+            k_cache, v_cache, m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc,
+            m.num_rows, heads, kv_heads, inter, eps, scale,
+        )  # fmt: skip
 
     def forward(
         self, x: Tensor, residual: Tensor | None, positions: Tensor, rope: Rope, ctx
@@ -156,6 +199,14 @@ def fuse_projections(state_dict: dict, num_layers: int) -> dict:
     return fused
 
 
+def _runs_native(h: Tensor, ctx: ForwardContext) -> bool:
+    """Whether the layers run as C++ ops (DecoderLayer.forward_native): with the CPU attention
+    backend, whose kernel the op calls, on activations and a K/V cache its kernels take."""
+    return (
+        ctx.backend.name == "cpu" and layer_ops.native(h) and ctx.kv_caches[0][0].dtype == h.dtype
+    )
+
+
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -193,12 +244,19 @@ class Transformer(nn.Module):
         if tied:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = Rope(self.config, self.device)
+        for layer in self.model.layers:
+            layer.load_native_args()
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
         """input_ids, positions (N,) -> final hidden states (N, hidden); logits are a separate
         step so that only the positions that sample are projected onto the vocabulary."""
         h, residual = self.model.embed_tokens(input_ids), None
+        if _runs_native(h, ctx):
+            residual = h.contiguous()
+            for layer in self.model.layers:
+                layer.forward_native(residual, positions, self.rope, ctx)
+            return self.model.norm(residual)
         for layer in self.model.layers:
             h, residual = layer(h, residual, positions, self.rope, ctx)
         return self.model.norm(h, residual)[0]

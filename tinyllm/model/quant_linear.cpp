@@ -21,9 +21,12 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+
+#include "cpu_ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -284,6 +287,10 @@ void run_tiles(const uint8_t* packed, const Quantized& x, T* y, int64_t rows, in
   });
 }
 
+}  // namespace
+
+namespace tinyllm {
+
 // x (..., K) fp32 or bf16, packed (tiles, blocks, record bytes) -> y (..., n) in x's dtype.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8, not ", bits);
@@ -314,8 +321,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
   return y;
 }
 
-}  // namespace
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                  int64_t n) {
+  if (w.scalar_type() != at::kByte) return at::linear(x, w, bias);
+  at::Tensor y = quant_linear(x, w, n, w.size(-1) == record_bytes(4) ? 4 : 8);
+  return bias ? y.add_(*bias) : y;
+}
+
+}  // namespace tinyllm
 
 TORCH_LIBRARY_FRAGMENT(tinyllm, m) {
-  m.def("quant_linear(Tensor x, Tensor packed, int n, int bits) -> Tensor", &quant_linear);
+  m.def("quant_linear(Tensor x, Tensor packed, int n, int bits) -> Tensor", &tinyllm::quant_linear);
 }

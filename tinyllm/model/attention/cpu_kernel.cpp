@@ -17,6 +17,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "../cpu_ops.h"
 #include "../fast_exp.h"
 
 #include <algorithm>
@@ -349,14 +350,19 @@ void write_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at:
   }
 }
 
+}  // namespace
+
+namespace tinyllm {
+
 // Attention for rows [0, num_rows) of the step, written into out (N, Hq, D). With k, v and
 // slot_mapping, the step's new K/V rows are written into the caches first; without, the caches
 // already hold every row's context, this step's new tokens included. q's rows may be strided.
-void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
-            const at::Tensor& v_cache, const std::optional<at::Tensor>& k,
-            const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& slot_mapping,
-            const at::Tensor& block_tables, const at::Tensor& seq_lens,
-            const at::Tensor& query_start_loc, int64_t num_rows, double scale) {
+void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const std::optional<at::Tensor>& k,
+                     const std::optional<at::Tensor>& v,
+                     const std::optional<at::Tensor>& slot_mapping,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc, int64_t num_rows, double scale) {
   for (const at::Tensor* t : {&out, &k_cache, &v_cache, &block_tables, &seq_lens,
                               &query_start_loc}) {
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "tensors must be contiguous, on CPU");
@@ -385,7 +391,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
   }
 }
 
-}  // namespace
+}  // namespace tinyllm
 
 // A torch op rather than a pybind11 module: torch/library.h compiles in a fraction of the
 // time torch/extension.h takes.
@@ -394,5 +400,5 @@ TORCH_LIBRARY(tinyllm, m) {
       "paged_attention(Tensor(a!) out, Tensor q, Tensor(b!) k_cache, Tensor(c!) v_cache, "
       "Tensor? k, Tensor? v, Tensor? slot_mapping, Tensor block_tables, Tensor seq_lens, "
       "Tensor query_start_loc, int num_rows, float scale) -> ()",
-      &attend);
+      &tinyllm::paged_attention);
 }

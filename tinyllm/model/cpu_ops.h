@@ -1,0 +1,34 @@
+// tinyllm's CPU kernels as C++ functions, for the ops that call each other (decoder_layer.cpp);
+// each is also a torch op (torch.ops.tinyllm.*), registered where it is defined.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace tinyllm {
+
+// layer_ops.cpp
+void rms_norm(const at::Tensor& out, const at::Tensor& x, const std::optional<at::Tensor>& residual,
+              const at::Tensor& weight, double eps);
+void rotary(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+            const at::Tensor& sin, int64_t heads, int64_t head_dim);
+void silu_and_mul(const at::Tensor& out, const at::Tensor& x);
+
+// quant_linear.cpp
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t bits);
+// y = x W^T (+ bias) for W as the model holds it: QuantLinear's packed records (uint8, 4 or 8
+// bits, told apart by their size), or a dense matrix of x's dtype. n: W's output features.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                  int64_t n);
+
+// attention/cpu_kernel.cpp
+void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const std::optional<at::Tensor>& k,
+                     const std::optional<at::Tensor>& v,
+                     const std::optional<at::Tensor>& slot_mapping,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc, int64_t num_rows, double scale);
+
+}  // namespace tinyllm
