@@ -165,7 +165,10 @@ class LLM:
                     done[out.request_id] = out
                     bar.update(1)
             rate = (self.engine.generation_tokens - tokens0) / (time.perf_counter() - start)
-            bar.set_postfix(tok_s=f"{rate:.1f}")
+            # Redrawn at tqdm's own pace (update(0) waits its mininterval), not every step:
+            # a redraw a step costs a single stream a few percent.
+            bar.set_postfix(tok_s=f"{rate:.1f}", refresh=False)
+            bar.update(0)
         bar.close()
         return done
 
