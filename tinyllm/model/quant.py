@@ -110,21 +110,24 @@ def pack(w: GroupQuantized) -> Tensor:
     return torch.cat([codes, scales], dim=-1).contiguous()
 
 
-def unpack(packed: Tensor, bits: int) -> Tensor:
-    """The dense fp32 weight (tiles * 16, blocks * 32) of `packed` (or of some of its tiles)."""
+def unpack(packed: Tensor, bits: int, rows: Tensor | None = None) -> Tensor:
+    """The dense fp32 weight (tiles * 16, blocks * 32) of `packed`, or only its output `rows`
+    (len(rows), blocks * 32): the embeddings read a few rows of the LM head per step."""
     tiles, blocks, _ = packed.shape
+    if rows is None:
+        rows = torch.arange(tiles * TILE, device=packed.device)
+    picked, lanes = packed[rows // TILE], rows % TILE  # each row's tile, and its lane there
+    everyone = torch.arange(len(rows), device=packed.device)
     n_code = TILE * GROUP * bits // 8
-    codes = packed[..., :n_code].to(torch.int32)
-    if bits == 4:
-        c = codes.view(tiles, blocks, 4, TILE, 4)
-        c = torch.stack([c & 0x0F, c >> 4], dim=-1)  # (tile, block, chunk, row, j, nibble)
-        u = c.permute(0, 3, 1, 2, 5, 4)
-    else:
-        u = codes.view(tiles, blocks, 8, TILE, 4).permute(0, 3, 1, 2, 4)
-    u = u.reshape(tiles * TILE, blocks, GROUP).float()
-    scales = packed[..., n_code:].contiguous().view(torch.float16).float()
-    d, m = (t.transpose(1, 2).reshape(tiles * TILE, blocks, 1) for t in scales.chunk(2, dim=-1))
-    return (u * d + m).flatten(1)
+    # Codes by (chunk, lane, j): each row's bytes are the 4 at 4 * lane of every 64-byte chunk.
+    codes = picked[..., :n_code].view(len(rows), blocks, -1, TILE, 4)[everyone, ..., lanes, :]
+    codes = codes.to(torch.int32)  # (row, block, chunk, j)
+    if bits == 4:  # chunk c's byte j: weights 8c + j (low nibble) and 8c + 4 + j (high)
+        codes = torch.stack([codes & 0x0F, codes >> 4], dim=-2)  # (row, block, chunk, nibble, j)
+    u = codes.reshape(len(rows), blocks, GROUP).float()
+    scales = picked[..., n_code:].contiguous().view(torch.float16).float()
+    d, m = scales.view(len(rows), blocks, 2, TILE)[everyone, ..., lanes].unbind(-1)
+    return (u * d[..., None] + m[..., None]).flatten(1)
 
 
 class QuantLinear(nn.Module):
@@ -158,9 +161,8 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         head = self.head[0]
-        rows = unpack(head.packed[ids.flatten() // TILE], head.bits)
-        picked = rows.view(-1, TILE, rows.shape[1])[torch.arange(ids.numel()), ids.flatten() % TILE]
-        return picked[:, : head.in_features].to(self.dtype).view(*ids.shape, -1)
+        rows = unpack(head.packed, head.bits, ids.flatten())
+        return rows[:, : head.in_features].to(self.dtype).view(*ids.shape, -1)
 
 
 def _dense(w: Tensor | GroupQuantized) -> Tensor:
