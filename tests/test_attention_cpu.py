@@ -117,12 +117,20 @@ def test_bf16_accumulates_in_fp32(backend, step):
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
 
 
+def write_and_attend(backend, q, k, v, k_cache, v_cache, meta, scale):
+    """The kernel as model/decoder_layer.cpp calls it: it writes the new K/V itself."""
+    out = q.new_empty(q.shape)
+    backend.kernel(out, q, k_cache, v_cache, k, v, meta.slot_mapping, meta.block_tables,
+                   meta.seq_lens, meta.query_start_loc, meta.num_rows, scale)  # fmt: skip
+    return out
+
+
 @settings(max_examples=25, deadline=None)
 @given(step=steps())
-def test_forward_writes_the_new_kv_from_the_fused_rows(backend, step):
-    """`forward` as the model calls it: q, k and v are views into one fused qkv row per token
-    (strided), written into the caches by the kernel itself; the caches and the output are
-    the reference backend's (index_copy_, then attention)."""
+def test_the_kernel_writes_the_new_kv_from_the_fused_rows(backend, step):
+    """As the whole-layer op calls the kernel: q, k and v are views into one fused qkv row per
+    token (strided), written into the caches by the kernel itself; the caches and the output
+    are the reference backend's (index_copy_, then attention)."""
     (q, k, v, k_cache, v_cache, meta), _ = build(**step)
     qkv = torch.cat([t.flatten(1) for t in (q, k, v)], dim=1)
     Hq, Hkv, D = step["Hq"], step["Hkv"], step["D"]
@@ -131,17 +139,17 @@ def test_forward_writes_the_new_kv_from_the_fused_rows(backend, step):
     ours_k, ours_v = k_cache.clone(), v_cache.clone()
     for cache in (ours_k, ours_v):
         cache.view(-1, Hkv, D)[meta.slot_mapping] = float("nan")  # the kernel must write these
-    out = backend.forward(*views, ours_k, ours_v, meta, D**-0.5)
+    out = write_and_attend(backend, *views, ours_k, ours_v, meta, D**-0.5)
     expected = REFERENCE.forward(q, k, v, k_cache, v_cache, meta, D**-0.5)
     assert torch.equal(ours_k, k_cache) and torch.equal(ours_v, v_cache)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_forward_refuses_a_slot_outside_the_cache(backend):
+def test_the_kernel_refuses_a_slot_outside_the_cache(backend):
     (q, k, v, k_cache, v_cache, meta), _ = build([(5, 5)], 4, 4, 2, 8, seed=1)
     meta.slot_mapping[2] = k_cache.shape[0] * k_cache.shape[1]
     with pytest.raises(RuntimeError, match=f"slot {meta.slot_mapping[2]} outside the cache's"):
-        backend.forward(q, k, v, k_cache, v_cache, meta, 0.3)
+        write_and_attend(backend, q, k, v, k_cache, v_cache, meta, 0.3)
 
 
 def test_other_dtypes_use_the_reference(backend):

@@ -3,7 +3,8 @@
 //
 // At one decode row of a small model, a step's time is mostly not arithmetic: each of a layer's
 // ten or so ops costs a Python module call, a trip through torch's dispatcher and a fresh
-// tensor, about 5 us each, and 30 layers of them were a fifth of a 4-bit decode step.
+// tensor, about 5 us each: for the default model's 30 layers in 4 bits, 2 of the 5.3 ms that
+// the forward pass took.
 //
 // The residual stream is updated in place: residual += attention(RMSNorm(residual)), then
 // residual += MLP(RMSNorm(residual)), each sum rounded to the dtype as the unfused add rounds it.

@@ -40,8 +40,10 @@ def _kernel() -> Callable[..., None]:
 
 class CPUBackend(AttentionBackend):
     """Every row, decode and prefill alike, in the kernel, for fp32 and bf16 (q and both caches
-    of one dtype); anything else goes to the reference backend. `forward` writes the new K/V
-    into the cache in the same op, reading them (and q) in place in the fused qkv rows."""
+    of one dtype); anything else goes to the reference backend. On those dtypes the model runs
+    whole layers as one op (model/decoder_layer.cpp) that calls the same kernel and lets it
+    write the step's new K/V too; this backend is what selects that path, and the kernel's
+    entry for the modules' path and the tests."""
 
     name = "cpu"
 
@@ -49,20 +51,13 @@ class CPUBackend(AttentionBackend):
         self.kernel = kernel
         self.reference = ReferenceBackend()
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> Tensor:
-        if not _native(q, k_cache, v_cache):
-            return self.reference.forward(q, k, v, k_cache, v_cache, meta, scale)
-        return self._run(q, k_cache, v_cache, (k, v, meta.slot_mapping), meta, scale)
-
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> Tensor:
         if not _native(q, k_cache, v_cache):
             return self.reference.attend(q, k, v, k_cache, v_cache, meta, scale)
-        return self._run(q, k_cache, v_cache, (None, None, None), meta, scale)
-
-    def _run(self, q, k_cache, v_cache, new_kv, meta: AttentionMetadata, scale: float) -> Tensor:
         out = q.new_empty(q.shape)
         tables, lens, starts = meta.block_tables, meta.seq_lens, meta.query_start_loc
-        self.kernel(out, q, k_cache, v_cache, *new_kv, tables, lens, starts, meta.num_rows, scale)
+        self.kernel(out, q, k_cache, v_cache, None, None, None, tables, lens, starts,
+                    meta.num_rows, scale)  # fmt: skip
         return out
 
 
