@@ -68,6 +68,8 @@ class ModelRunner:
         """One forward pass; the requests that sample and their last position's logits."""
         batch = self.prepare_inputs(scheduled)
         hidden = self.model(batch.input_ids, batch.positions, batch.ctx)
+        if not batch.sampling:  # only prompt chunks ran: no row to sample, no LM head to run
+            return [], hidden.new_empty(0, self.model.config.vocab_size)
         return batch.sampling, self.model.logits(hidden[batch.logits_indices])
 
     def prepare_inputs(self, scheduled: list[tuple[Request, int]]) -> StepBatch:
