@@ -36,6 +36,38 @@ def default_llm(default_gguf_path):
     )
 
 
+FORMATS = ("int4", "int8", "fp32")  # int4: the default's; fp32: the transformers oracle's
+
+
+@pytest.fixture(scope="session")
+def llm_by_format(default_gguf_path, default_llm):
+    """The default model in each weight format, each loaded once (on first use) for every
+    test that runs it: "int4" is what `LLM()` gives users (the default configuration), "fp32"
+    is `default_llm`."""
+    from tinyllm import LLM
+
+    loaded = {"fp32": default_llm}
+
+    def get(fmt: str):
+        if fmt not in loaded:
+            loaded[fmt] = LLM(
+                str(default_gguf_path),
+                quantization="auto" if fmt == "int4" else fmt,
+                num_blocks=1024,
+                max_model_len=2048,
+            )
+        return loaded[fmt]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def default_config_llm(llm_by_format):
+    """What `LLM()` gives users: int4 weights on tinyllm's kernels, the CPU attention backend,
+    chunked prefill at the default budget (a smaller pool and context, to share it)."""
+    return llm_by_format("int4")
+
+
 @pytest.fixture(scope="session")
 def tiny():
     """A random one-layer model (vocabulary t0..t63, EOS t1, context 48) and its tokenizer:

@@ -57,17 +57,71 @@ def test_max_tokens_none_runs_to_the_context(tiny):
     assert out.finish_reason == "length" and len(out.token_ids) == TINY_MAX_LEN - 10
 
 
-def test_a_pool_smaller_than_the_context_warns_and_names_the_limit(tiny, caplog):
+def test_a_pool_smaller_than_the_context_cuts_max_model_len_and_keeps_the_text(tiny, caplog):
     with caplog.at_level(logging.WARNING, logger="tinyllm"):
         engine = _engine(tiny, num_blocks=4, block_size=4)
-    assert "holds 16 tokens, fewer than max_model_len 48" in caplog.text
+    assert "holds 16 tokens, fewer than the context (48): max_model_len is cut to 16" in caplog.text
+    assert engine.max_model_len == 16
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     engine.add_request(None, params, request_id="long", prompt_token_ids=[5] * 10)
     out = _drain(engine)["long"]
-    # It ran until it outgrew the pool (16 tokens computed, the 17th sampled), then failed
-    # with the numbers, keeping what it made.
-    assert out.finish_reason == "error" and "the whole cache holds 16" in out.error
-    assert len(out.token_ids) == 7 and engine.kv.pool.num_used == 0
+    # It ran until the pool was full, and finished there with what it made.
+    assert out.finish_reason == "length" and out.error is None
+    assert len(out.token_ids) == 6 and engine.kv.pool.num_used == 0
+    with pytest.raises(ValueError, match="prompt is 16 tokens, but this model's context is 16"):
+        engine.add_request(None, params, prompt_token_ids=[5] * 16)
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_n_completions_are_one_request_with_numbered_outputs(tiny, kind):
+    """The step API expands n itself: one request id, n completions numbered 0..n-1, each
+    sampled with its own seed (seed + i), whatever the output kind."""
+    engine = _engine(tiny, max_num_batched_tokens=4)
+    params = SamplingParams(
+        max_tokens=5, temperature=1.0, seed=2**63 - 2, n=3, ignore_eos=True, output_kind=kind
+    )
+    engine.add_request(None, params, request_id="p", prompt_token_ids=list(range(2, 12)))
+    assert len(engine.requests) == 3
+    tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    finals = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id == "p"
+            for c in out.outputs:
+                if kind is RequestOutputKind.DELTA:
+                    tokens[c.index] += c.token_ids
+                else:
+                    tokens[c.index] = c.token_ids
+            finals.append(out.finished)
+    assert finals[-1] and not any(finals[:-1])
+    if kind is RequestOutputKind.FINAL_ONLY:
+        assert len(finals) == 1
+    assert all(len(t) == 5 for t in tokens.values())
+    for i in range(3):  # the seed wraps past 2**63 - 1 instead of overflowing
+        seed = (2**63 - 2 + i + 2**63) % 2**64 - 2**63
+        alone = _engine(tiny)
+        one = SamplingParams(max_tokens=5, temperature=1.0, seed=seed, ignore_eos=True)
+        alone.add_request(None, one, request_id="a", prompt_token_ids=list(range(2, 12)))
+        assert _drain(alone)["a"].token_ids == tokens[i]
+    assert engine.kv.pool.num_used == 0 and not engine.parents and not engine.requests
+
+
+def test_aborting_an_n_request_aborts_every_completion(tiny):
+    engine = _engine(tiny)
+    params = SamplingParams(max_tokens=20, temperature=1.0, n=4, ignore_eos=True)
+    engine.add_request(None, params, request_id="p", prompt_token_ids=[3, 4, 5])
+    engine.step()
+    out = engine.abort("p")
+    assert out.request_id == "p" and out.finished
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert {c.finish_reason for c in out.outputs} == {"abort"}
+    assert engine.kv.pool.num_used == 0 and not engine.has_unfinished() and not engine.parents
+    engine.add_request(None, GREEDY, request_id="q[1]", prompt_token_ids=[3])
+    with pytest.raises(ValueError, match="already in use"):  # its completion 1's id is taken
+        engine.add_request(None, params, request_id="q", prompt_token_ids=[3])
+    assert engine.abort("q[1]").finish_reason == "abort"
+    assert not engine.has_unfinished()
 
 
 def test_delta_outputs_carry_only_the_new_tokens(tiny):
@@ -85,3 +139,31 @@ def test_delta_outputs_carry_only_the_new_tokens(tiny):
     assert [len(t) for t in seen["d"]] == [1] * 6
     assert [len(t) for t in seen["c"]] == [1, 2, 3, 4]
     assert sum(seen["d"], [])[:4] == seen["c"][-1]  # same prompt, same greedy tokens
+
+
+def test_an_error_inside_a_step_ends_only_the_request_it_concerns(tiny, caplog):
+    """A request whose sampling raises (a stand-in for any failure in a step) ends with an
+    error and gives its blocks back; the requests batched with it finish as they would have,
+    and the engine serves the next request."""
+    engine = _engine(tiny)
+    sample = engine.runner.sampler
+
+    def poisoned(logits, requests):
+        if any(r.request_id == "bad" for r in requests):
+            raise RuntimeError("boom")
+        return sample(logits, requests)
+
+    engine.runner.sampler = poisoned
+    for rid in ("a", "bad", "b"):
+        engine.add_request(None, GREEDY, request_id=rid, prompt_token_ids=[3, 4, 5, 6, 7])
+    with caplog.at_level(logging.ERROR, logger="tinyllm"):
+        done = _drain(engine)
+    assert "request bad failed in a step" in caplog.text and "boom" in caplog.text
+    assert done["bad"].finish_reason == "error" and "engine failed" in done["bad"].error
+    reference = _engine(tiny)
+    reference.add_request(None, GREEDY, request_id="a", prompt_token_ids=[3, 4, 5, 6, 7])
+    expected = _drain(reference)["a"].token_ids
+    assert done["a"].token_ids == done["b"].token_ids == expected
+    assert engine.kv.pool.num_used == 0 and not engine.requests
+    engine.add_request(None, GREEDY, request_id="next", prompt_token_ids=[3, 4, 5, 6, 7])
+    assert _drain(engine)["next"].token_ids == expected

@@ -370,3 +370,42 @@ def test_engine_death_fails_requests_and_health(llm):
         with pytest.raises(openai.InternalServerError) as e:
             client.completions.create(model=llm.model_name, prompt="Hi")
         assert e.value.status_code == 503
+
+
+class _StumblingEngine:
+    """The real engine, but its next step() raises, as a fault outside any one request's work
+    would (the engine itself ends a request whose own work fails)."""
+
+    def __init__(self, engine):
+        self._engine, self.stumble = engine, False
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def step(self):
+        if self.stumble:
+            self.stumble = False
+            raise RuntimeError("simulated fault in a step")
+        return self._engine.step()
+
+
+def test_a_step_that_raises_fails_its_requests_and_the_server_goes_on(llm, offline):
+    engine = _StumblingEngine(llm.engine)
+    wrapped = SimpleNamespace(
+        engine=engine,
+        tokenizer=llm.tokenizer,
+        model_name=llm.model_name,
+        get_default_sampling_params=llm.get_default_sampling_params,
+        default_sampling=llm.default_sampling,
+    )
+    with serving(create_app(wrapped)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+        engine.stumble = True
+        with pytest.raises(openai.InternalServerError, match="simulated fault"):
+            client.completions.create(model=llm.model_name, prompt=PROMPTS[0], max_tokens=4)
+        assert httpx.get(f"{url}/health").status_code == 200
+        r = client.completions.create(
+            model=llm.model_name, prompt=PROMPTS[0], max_tokens=16, temperature=0
+        )
+        assert r.choices[0].text == offline.long[0].text
+    assert llm.engine.kv.pool.num_used == 0 and not llm.engine.requests

@@ -16,9 +16,21 @@ pytestmark = pytest.mark.slow
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_MODEL_LEN = 256
-# 12 blocks of 16: 192 tokens of KV cache, so a 200-token prompt fits the context but never the
-# cache, and the engine itself must refuse it.
-SERVE_ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--num-blocks", "12", "--block-size", "16"]
+# 12 blocks of 16: 192 tokens of KV cache, so a 200-token prompt fits the model's context but
+# never the cache: max_model_len is cut to 192 and the prompt is refused before it runs.
+# A budget of 64 tokens a step: longer prompts run in chunks (the default configuration's path
+# that once killed the process: a step that runs only a chunk has no row to sample).
+BUDGET = 64
+SERVE_ARGS = [
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--num-blocks",
+    "12",
+    "--block-size",
+    "16",
+    "--max-num-batched-tokens",
+    str(BUDGET),
+]
 LONG = "hello " * 300  # about 300 tokens: over the context
 NEVER_FITS = "hello " * 199  # about 200 tokens: fits the context, not the cache
 
@@ -229,10 +241,15 @@ def test_oversized_body_is_413(base_url, chunked):
 
 
 def test_request_the_cache_can_never_hold(base_url):
-    """It fits the context but not the KV cache: the engine refuses it, the client hears why."""
+    """It fits the model's context but not the KV cache, which cuts max_model_len: refused
+    before it runs, and the client hears why."""
     body = {"prompt": NEVER_FITS, "max_tokens": 4}
     r = httpx.post(f"{base_url}{COMPLETION}", json=body, headers=AUTH)
-    assert "KV cache" in assert_error(r, 400)["message"]
+    error = assert_error(r, 400)
+    assert (
+        "context is 192 tokens (max_model_len, cut to what the KV cache holds" in error["message"]
+    )
+    assert error["code"] == "context_length_exceeded"
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0)
     model = client.models.list().data[0].id
     with pytest.raises(openai.APIError, match="KV cache"):
@@ -264,3 +281,21 @@ def test_one_log_line_per_request(base_url, log_path):
         re.search(r"cmpl-\w+: 1 choice\(s\), \d+ prompt \+ \d+ completion", x) for x in lines
     )
     assert any("POST /v1/completions -> 400: top_p=5.0" in line for line in lines)
+
+
+def test_a_prompt_longer_than_the_budget_and_seeds_at_the_limit(base_url):
+    """The default configuration (int4, CPU attention) serving a prompt of about 150 tokens in
+    chunks of 64; n=2 with the largest seed (choice 1's seed wraps instead of overflowing)."""
+    body = {"prompt": "hello " * 150, "max_tokens": 4, "temperature": 0}
+    r = httpx.post(f"{base_url}{COMPLETION}", json=body, headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] > 2 * BUDGET
+    assert r.json()["usage"]["completion_tokens"] == 4
+    for path, extra in ((COMPLETION, {"prompt": "Hi"}), (CHAT, {"messages": MESSAGES})):
+        body = {"max_tokens": 3, "seed": 2**63 - 1, "n": 2, "temperature": 1.0, **extra}
+        r = httpx.post(f"{base_url}{path}", json=body, headers=AUTH)
+        assert r.status_code == 200, r.text
+        assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+    r = httpx.post(f"{base_url}{COMPLETION}", json={"prompt": "Hi", "seed": 2**63}, headers=AUTH)
+    assert assert_error(r, 400, "seed")
+    good_request_succeeds(base_url)

@@ -16,6 +16,7 @@ from tinyllm.engine.kv_cache_manager import KVCacheManager
 from tinyllm.engine.model_runner import ModelRunner, kv_bytes_per_token
 from tinyllm.engine.output_processor import OutputProcessor, TokenUpdate
 from tinyllm.engine.outputs import RequestOutput
+from tinyllm.engine.parent_request import ParentRequest, child_params
 from tinyllm.engine.request import Request, RequestStatus
 from tinyllm.engine.sampling_params import SamplingParams
 from tinyllm.engine.scheduler import Scheduler
@@ -65,10 +66,12 @@ def build_kv_cache_manager(model: Transformer, cfg: EngineConfig, max_len: int) 
     )
     if tokens < max_len:
         log.warning(
-            "the KV cache holds %d tokens, fewer than max_model_len %d: a request that needs "
-            "more fails with an error; raise num_blocks/kv_cache_memory or lower max_model_len",
+            "the KV cache holds %d tokens, fewer than the context (%d): max_model_len is cut to "
+            "%d, so a request finishes with 'length' there and a longer prompt is refused; "
+            "raise num_blocks/kv_cache_memory to lift it",
             tokens,
             max_len,
+            tokens,
         )
     return KVCacheManager(num_blocks, block_size)
 
@@ -81,11 +84,20 @@ class LLMEngine:
             model.config.max_position_embeddings,
         )
         self.kv = build_kv_cache_manager(model, config, self.max_model_len)
+        # A request never outgrows the pool: it finishes with "length" where the pool ends,
+        # keeping what it generated, and a longer prompt is refused before it runs.
+        self._context_is = "max_model_len"
+        if self.kv.capacity_tokens < self.max_model_len:
+            self.max_model_len = self.kv.capacity_tokens
+            self._context_is = "max_model_len, cut to what the KV cache holds"
         backend = get_backend(config.attention_backend, model.device)
         self.runner = ModelRunner(model, self.kv.num_blocks, self.kv.block_size, backend)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.output_processor = OutputProcessor(tokenizer)
         self.requests: dict[str, Request] = {}
+        # n > 1: the parent by its id and by each child's
+        self.parents: dict[str, ParentRequest] = {}
+        self._parent_of: dict[str, ParentRequest] = {}
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
         self.prompt_tokens = self.generation_tokens = self.recomputed_tokens = 0
@@ -99,7 +111,7 @@ class LLMEngine:
         if n >= limit:
             raise ValueError(
                 f"prompt is {n} tokens, but this model's context is {limit} tokens "
-                f"(the prompt must leave room for at least one generated token)"
+                f"({self._context_is}; the prompt must leave room for a generated token)"
             )
         vocab = self.model.config.vocab_size
         for what, ids in (
@@ -118,7 +130,8 @@ class LLMEngine:
         request_id: str | None = None,
         prompt_token_ids: list[int] | None = None,
     ) -> str:
-        """Queue a request; a text prompt is tokenized unless its token ids are given."""
+        """Queue a request (n > 1: n requests reported as one); a text prompt is tokenized
+        unless its token ids are given. Raises, with nothing queued, if anything is invalid."""
         text = prompt if isinstance(prompt, str) else None
         if prompt_token_ids is not None:
             ids = list(prompt_token_ids)
@@ -126,30 +139,51 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
         self.validate_prompt(ids, params)
         if request_id is None:
-            request_id = next(i for i in map(str, self._ids) if i not in self.requests)
-        elif request_id in self.requests:
+            request_id = next(i for i in map(str, self._ids) if self._id_free(i, params.n))
+        elif not self._id_free(request_id, params.n):
             raise ValueError(f"request id {request_id!r} is already in use by a running request")
-        room = self.max_model_len - len(ids)
-        max_tokens = room if params.max_tokens is None else params.max_tokens
-        request = Request(
-            request_id,
-            ids,
-            params,
-            max_tokens,
-            self.tokenizer.eos_token_ids,
-            seed=self._rng.getrandbits(63),
-        )
-        self.requests[request_id] = request
-        self.output_processor.add_request(request_id, text, request.prompt_token_ids, params)
-        self.scheduler.add(request)
+        if params.n == 1:
+            self._register([self._request(request_id, ids, params)], text)
+            return request_id
+        parent = ParentRequest(request_id, _child_ids(request_id, params.n), params.output_kind)
+        children = [
+            self._request(child, ids, one)
+            for child, one in zip(parent.child_ids, child_params(params), strict=True)
+        ]
+        self._register(children, text)
+        self.parents[request_id] = parent
+        self._parent_of.update(dict.fromkeys(parent.child_ids, parent))
         return request_id
 
+    def _id_free(self, request_id: str, n: int) -> bool:
+        ids = [request_id, *(_child_ids(request_id, n) if n > 1 else [])]
+        return not any(i in self.requests or i in self.parents for i in ids)
+
+    def _request(self, request_id: str, ids: list[int], params: SamplingParams) -> Request:
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        seed = self._rng.getrandbits(63)
+        return Request(request_id, ids, params, max_tokens, self.tokenizer.eos_token_ids, seed)
+
+    def _register(self, requests: list[Request], text: str | None) -> None:
+        for request in requests:
+            self.requests[request.request_id] = request
+            self.output_processor.add_request(
+                request.request_id, text, request.prompt_token_ids, request.params
+            )
+            self.scheduler.add(request)
+
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request and free its blocks; its final output, or None if unknown."""
-        request = self.requests.get(request_id)
-        if request is None:
-            return None
-        outputs = self._finish(request, TokenUpdate(request_id, None, None, "abort"))
+        """Stop a request (all its completions) and free its blocks; its final output, or
+        None if unknown."""
+        parent = self.parents.get(request_id)
+        ids = parent.child_ids if parent is not None else [request_id]
+        outputs = []
+        for child in ids:
+            request = self.requests.get(child)
+            if request is not None:
+                outputs += self._finish(request, TokenUpdate(child, None, None, "abort"))
+        outputs = self._gather(outputs)
         return outputs[0] if outputs else None
 
     def has_unfinished(self) -> bool:
@@ -181,10 +215,25 @@ class LLMEngine:
             )
             update = TokenUpdate(request.request_id, None, None, "error", error=error)
             outputs += self._finish(request, update)
-        if not out.scheduled:
-            return outputs
-        sampled = self.runner.execute(out.scheduled)
-        for request, n in out.scheduled:
+        if out.scheduled:
+            outputs += self._run(out.scheduled)
+        return self._gather(outputs)
+
+    def _run(self, scheduled: list[tuple[Request, int]]) -> list[RequestOutput]:
+        """Run the step's batch; if it fails, run each request alone, so an error ends only
+        the requests it concerns (with an error output), and the others go on."""
+        try:
+            sampled = self.runner.execute(scheduled)
+        except Exception:
+            if len(scheduled) == 1:
+                request = scheduled[0][0]
+                log.exception("request %s failed in a step", request.request_id)
+                error = "the engine failed on this request (see the server log)"
+                return self._finish(
+                    request, TokenUpdate(request.request_id, None, None, "error", error=error)
+                )
+            return [o for one in scheduled for o in self._run([one])]
+        for request, n in scheduled:
             self._count(request, n)
             request.num_computed_tokens += n
         updates, done = [], []
@@ -204,7 +253,34 @@ class LLMEngine:
             if request is not None:
                 request.finish_reason = "stop"
                 self._release(request)
-        return outputs + step_outputs
+        return step_outputs
+
+    def _gather(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Children's outputs become their parent's: one output per parent, where its first
+        child's was."""
+        by_parent: dict[ParentRequest, list[RequestOutput]] = {}
+        order: list[RequestOutput | ParentRequest] = []
+        for out in outputs:
+            parent = self._parent_of.get(out.request_id)
+            if parent is None:
+                order.append(out)
+                continue
+            if parent not in by_parent:
+                order.append(parent)
+            by_parent.setdefault(parent, []).append(out)
+        result = []
+        for item in order:
+            if isinstance(item, RequestOutput):
+                result.append(item)
+                continue
+            merged = item.merge(by_parent[item])
+            if item.finished:
+                del self.parents[item.request_id]
+                for child in item.child_ids:
+                    del self._parent_of[child]
+            if merged is not None:
+                result.append(merged)
+        return result
 
     def _count(self, request: Request, n: int) -> None:
         start, end = request.num_computed_tokens, request.num_computed_tokens + n
@@ -223,3 +299,7 @@ class LLMEngine:
         if request.status is not RequestStatus.FINISHED:
             self.scheduler.finish(request)
         self.requests.pop(request.request_id, None)
+
+
+def _child_ids(request_id: str, n: int) -> list[str]:
+    return [f"{request_id}[{i}]" for i in range(n)]

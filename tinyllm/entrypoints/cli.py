@@ -2,6 +2,7 @@
 
 import argparse
 import dataclasses
+import faulthandler
 import logging
 import sys
 import time
@@ -235,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     # Other libraries' chatter stays at warnings; tinyllm says what it loads and how long it took.
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("tinyllm").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    # A fault in native code (a kernel's SIGSEGV, SIGFPE, SIGILL) cannot be caught; this at least
+    # prints where each thread was, so the log shows what was running instead of nothing.
+    faulthandler.enable(all_threads=True)
     try:
         args.func(args)
     except KeyboardInterrupt:

@@ -135,25 +135,17 @@ class LLM:
         else:
             params = [params or self.get_default_sampling_params()] * len(prompts)
         engine = self.engine
-        # n > 1: n engine requests per prompt, gathered back into one output. With a seed,
-        # each completion gets its own, so they are not n copies.
-        children: list[list[str]] = []
-        try:
-            for (text, ids), p in zip(prompts, params, strict=True):
-                one = dataclasses.replace(p, n=1, output_kind=RequestOutputKind.FINAL_ONLY)
-                seeds = [None if p.seed is None else p.seed + i for i in range(p.n)]
-                children.append(
-                    [
-                        engine.add_request(text, dataclasses.replace(one, seed=seed), None, ids)
-                        for seed in seeds
-                    ]
-                )
-        except ValueError:  # one bad prompt refuses the whole call: nothing is left running
-            for request_id in (r for ids in children for r in ids):
+        ids: list[str] = []
+        try:  # whatever goes wrong (a bad prompt, Ctrl-C), nothing of this call stays queued
+            for (text, token_ids), p in zip(prompts, params, strict=True):
+                final = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                ids.append(engine.add_request(text, final, None, token_ids))
+            done = self._run(len(ids), use_tqdm)
+        except BaseException:
+            for request_id in ids:
                 engine.abort(request_id)
             raise
-        done = self._run(sum(len(c) for c in children), use_tqdm)
-        return [_merge([done[r] for r in ids]) for ids in children]
+        return [done[r] for r in ids]
 
     def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         done: dict[str, RequestOutput] = {}
@@ -187,11 +179,3 @@ def _log_loaded(name: str, checkpoint, net: torch.nn.Module, seconds: float) -> 
         net.device,
         seconds,
     )
-
-
-def _merge(outputs: list[RequestOutput]) -> RequestOutput:
-    """One prompt's n completions as one output, numbered 0..n-1."""
-    first = outputs[0]
-    completions = [dataclasses.replace(o.outputs[0], index=i) for i, o in enumerate(outputs)]
-    errors = [o.error for o in outputs if o.error]
-    return dataclasses.replace(first, outputs=completions, error=errors[0] if errors else None)

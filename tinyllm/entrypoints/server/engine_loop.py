@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tinyllm.engine.engine import LLMEngine
 from tinyllm.engine.outputs import RequestOutput
@@ -55,7 +55,14 @@ class _Tracked:
     stream: RequestStream
     arrival: float
     first_token: float | None = None
-    num_tokens: int = 0
+    num_tokens: dict[int, int] = field(default_factory=dict)  # per completion (n > 1)
+    reasons: dict[int, str] = field(default_factory=dict)  # finish reason per completion
+
+    def add(self, out: RequestOutput) -> None:
+        for c in out.outputs:
+            self.num_tokens[c.index] = self.num_tokens.get(c.index, 0) + len(c.token_ids)
+            if c.finish_reason is not None:
+                self.reasons[c.index] = c.finish_reason
 
 
 class EngineLoop:
@@ -104,7 +111,7 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while self._handle_commands(block=not self.engine.has_unfinished()):
-                outputs = self.engine.step() if self.engine.has_unfinished() else []
+                outputs = self._step() if self.engine.has_unfinished() else []
                 # Metrics first: a client that got its last token sees them already counted.
                 self.metrics.record_stats(self.engine.stats())
                 self._deliver(outputs)
@@ -115,6 +122,26 @@ class EngineLoop:
         for request_id in self._tracked:  # leave the engine clean for whoever owns it next
             self.engine.abort(request_id)
         self._shut_down("the server is shutting down")
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step. The engine ends a request whose work fails with an error output;
+        an exception that still escapes (a fault outside any one request's work) fails every
+        request in the engine with a 500, and the server goes on serving new ones."""
+        try:
+            return self.engine.step()
+        except Exception as e:
+            log.exception(
+                "an engine step failed: failing the %d request(s) in it", len(self._tracked)
+            )
+            error = APIError(500, f"the engine failed: {type(e).__name__}: {e}")
+            for tracked in self._tracked.values():
+                tracked.stream.put(error)
+            self._tracked.clear()
+            for request_id in [*self.engine.parents, *self.engine.requests]:
+                self.engine.abort(request_id)
+            if self.engine.has_unfinished():  # its queues no longer match its requests
+                raise
+            return []
 
     def _handle_commands(self, block: bool) -> bool:
         """Run the queued commands, waiting for one first when the engine is idle. False: stop."""
@@ -148,9 +175,14 @@ class EngineLoop:
         tracked = self._tracked.pop(request_id, None)
         out = self.engine.abort(request_id)
         if tracked is not None and out is not None:
-            self.metrics.record_finished(
-                "abort", tracked.num_tokens, tracked.arrival, tracked.first_token, time.monotonic()
-            )
+            tracked.add(out)
+            self._record_finished(tracked, time.monotonic())
+
+    def _record_finished(self, tracked: _Tracked, now: float) -> None:
+        """Each completion is a finished request to the metrics (n > 1 counts n)."""
+        for i, reason in tracked.reasons.items():
+            tokens = tracked.num_tokens.get(i, 0)
+            self.metrics.record_finished(reason, tokens, tracked.arrival, tracked.first_token, now)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -159,19 +191,13 @@ class EngineLoop:
             tracked = self._tracked.get(out.request_id)
             if tracked is None:
                 continue
-            if tracked.first_token is None and out.token_ids:
+            if tracked.first_token is None and any(c.token_ids for c in out.outputs):
                 tracked.first_token = now
                 self.metrics.ttft.observe(now - tracked.arrival)
-            tracked.num_tokens += len(out.token_ids)
+            tracked.add(out)
             if out.finished:
                 del self._tracked[out.request_id]
-                self.metrics.record_finished(
-                    out.finish_reason or "error",
-                    tracked.num_tokens,
-                    tracked.arrival,
-                    tracked.first_token,
-                    now,
-                )
+                self._record_finished(tracked, now)
             by_stream.setdefault(tracked.stream, []).append(out)
         for stream, outs in by_stream.items():
             stream.put(outs)

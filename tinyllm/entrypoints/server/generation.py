@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from tinyllm.engine.outputs import RequestOutput, TokenLogprob
+from tinyllm.engine.outputs import CompletionOutput, TokenLogprob
 from tinyllm.entrypoints.server.engine_loop import EngineLoop
 from tinyllm.entrypoints.server.errors import APIError
 from tinyllm.entrypoints.server.protocol import Usage
@@ -34,8 +34,7 @@ class ChoiceResult:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
 
-    def add(self, delta: RequestOutput) -> None:
-        out = delta.outputs[0]
+    def add(self, out: CompletionOutput) -> None:
         self.text += out.text
         self.num_tokens += len(out.token_ids)
         if out.logprobs is not None:
@@ -52,27 +51,38 @@ class Generation:
     ) -> None:
         self.request_id, self.prompts, self.choices = request_id, prompts, choices
         self._loop = loop
-        self._by_id = {c.request_id: c for c in choices}
+        self._by_key = {(c.request_id, c.completion): c for c in choices}
         self.results = {c.index: ChoiceResult() for c in choices}
-        self._unfinished = set(self._by_id)
+        # One engine request per prompt, for its n choices.
+        requests = {c.request_id: (c.request_id, c.prompt.token_ids, c.params) for c in choices}
+        self._unfinished = set(requests)
         self._start = time.perf_counter()
-        self._stream = loop.submit([(c.request_id, c.prompt.token_ids, c.params) for c in choices])
+        self._stream = loop.submit(list(requests.values()))
         self._closed = False
+        # Logged before it runs: if the process dies in native code, the log says what it ran.
+        log.info(
+            "%s: started, %s prompt token(s), %d choice(s), max_tokens %d",
+            request_id,
+            "+".join(str(len(p.token_ids)) for p in prompts),
+            len(choices),
+            choices[0].params.max_tokens,
+        )
 
-    async def _next(self) -> list[tuple[Choice, RequestOutput]]:
+    async def _next(self) -> list[tuple[Choice, CompletionOutput]]:
         """The deltas that arrived, in order, each added to its choice's result."""
         batch = []
         for out in await self._stream.get():
-            if out.finish_reason == "error":
-                raise APIError(400, out.error or "the engine refused the request")
             if out.finished:
                 self._unfinished.discard(out.request_id)
-            choice = self._by_id[out.request_id]
-            self.results[choice.index].add(out)
-            batch.append((choice, out))
+            for completion in out.outputs:
+                if completion.finish_reason == "error":
+                    raise APIError(500, out.error or "the engine failed on this request")
+                choice = self._by_key[(out.request_id, completion.index)]
+                self.results[choice.index].add(completion)
+                batch.append((choice, completion))
         return batch
 
-    async def updates(self) -> AsyncIterator[list[tuple[Choice, RequestOutput]]]:
+    async def updates(self) -> AsyncIterator[list[tuple[Choice, CompletionOutput]]]:
         while self._unfinished:
             yield await self._next()
 
@@ -150,17 +160,17 @@ async def sse(
             for choice, out in batch:
                 prefix = prefixes.pop(choice.index, "")
                 text = prefix + out.text
-                new = out.outputs[0].logprobs
+                new = out.logprobs
                 if new is not None:
                     new = held.pop(choice.index, []) + new
-                if not text and not out.finished:
+                finished = out.finish_reason is not None
+                if not text and not finished:
                     if new:  # no text yet (a stop string may be starting): send them later
                         held[choice.index] = new
                     continue
-                reason = out.finish_reason if out.finished else None
                 start = streamed[choice.index]
                 streamed[choice.index] += len(text)
-                yield _event(chunk(choice, text, new, reason, start + len(prefix)))
+                yield _event(chunk(choice, text, new, out.finish_reason, start + len(prefix)))
         if usage_chunk is not None:
             yield _event(usage_chunk(gen.usage()))
     except APIError as e:

@@ -31,7 +31,7 @@ class SamplingRequest(_Request):
     min_p: float | None = None
     stop: str | StopStrings | None = None
     stop_token_ids: TokenIds | None = None
-    # Within what torch.Generator takes, with room for seed + i over n choices.
+    # Signed 64 bits, what torch.Generator takes (choice i of n draws from seed + i, wrapped).
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

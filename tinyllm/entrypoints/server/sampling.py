@@ -27,10 +27,11 @@ class Prompt:
 
 @dataclass
 class Choice:
-    index: int
+    index: int  # in the response: prompt by prompt, n per prompt
     prompt: Prompt
-    request_id: str
-    params: SamplingParams
+    request_id: str  # the engine request of its prompt (n completions)
+    completion: int  # which of that request's completions
+    params: SamplingParams  # its request's: n completions
 
 
 MAX_CHOICES = 256  # engine requests one HTTP request may start (prompts x n)
@@ -123,15 +124,13 @@ def plan_choices(
                 code="context_length_exceeded",
             )
         budget = max_tokens if max_tokens is not None else min(default_max_tokens or room, room)
-        for i in range(n):
-            # With a seed, each choice gets its own, so n > 1 does not give n copies.
-            seed = None if req.seed is None else req.seed + i
-            index = len(choices)
-            # The server streams what is new each step; it keeps the running totals itself.
-            params = dataclasses.replace(
-                base, max_tokens=budget, seed=seed, output_kind=RequestOutputKind.DELTA
-            )
-            choices.append(Choice(index, prompt, f"{request_id}-{index}", params))
+        # The engine expands n (and gives each completion its own seed); the server streams
+        # what is new each step and keeps the running totals itself.
+        params = dataclasses.replace(
+            base, n=n, max_tokens=budget, output_kind=RequestOutputKind.DELTA
+        )
+        engine_id = f"{request_id}-{len(choices) // n}"
+        choices += [Choice(len(choices), prompt, engine_id, i, params) for i in range(n)]
     return choices
 
 
