@@ -215,7 +215,7 @@ def test_unset_fields_take_the_models_defaults(base_url):
 
 def test_start_up_says_what_is_served_and_where(log_path):
     log = log_path.read_text()
-    assert "serving SmolLM2-135M-Instruct.Q4_1 (context 256 tokens) on a free port" in log
+    assert "serving SmolLM2-135M-Instruct.Q4_1 (context 192 tokens) on a free port" in log
     assert "loaded SmolLM2-135M-Instruct.Q4_1: 134.5M parameters" in log
 
 

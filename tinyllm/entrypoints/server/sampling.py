@@ -129,8 +129,9 @@ def plan_choices(
         params = dataclasses.replace(
             base, n=n, max_tokens=budget, output_kind=RequestOutputKind.DELTA
         )
-        engine_id = f"{request_id}-{len(choices) // n}"
-        choices += [Choice(len(choices), prompt, engine_id, i, params) for i in range(n)]
+        first = len(choices)
+        engine_id = f"{request_id}-{first // n}"
+        choices += [Choice(first + i, prompt, engine_id, i, params) for i in range(n)]
     return choices
 
 
