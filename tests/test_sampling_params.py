@@ -1,4 +1,5 @@
-"""SamplingParams: validation that names the field, greedy, and the vLLM-style fields."""
+"""SamplingParams and token ids: validation that names the field, greedy, and the vLLM-style
+fields."""
 
 import math
 import re
@@ -6,6 +7,7 @@ import re
 import pytest
 
 from tinyllm.engine.sampling_params import LOGIT_BIAS_LIMIT, RequestOutputKind, SamplingParams
+from tinyllm.engine.validation import check_token_ids
 
 INF, NAN = math.inf, math.nan
 
@@ -135,3 +137,28 @@ def test_n_and_output_kind():
     p = SamplingParams(n=256, output_kind=RequestOutputKind.DELTA)
     assert p.n == 256 and p.output_kind is RequestOutputKind.DELTA
     assert {k.name for k in RequestOutputKind} == {"CUMULATIVE", "DELTA", "FINAL_ONLY"}
+
+
+@pytest.mark.parametrize(
+    ("ids", "why"),
+    [
+        (5, "must be a list of token ids, not an int"),
+        ("12", "must be a list of token ids, not a str"),
+        ([1, True], "token id True at index 1 is a bool, not an int"),
+        ([1, 2.5, 3], "token id 2.5 at index 1 is a float, not an int"),
+        ([None], "token id None at index 0 is None, not an int"),
+        ([[1, 2]], r"token id \[1, 2\] at index 0 is a list, not an int"),
+        ([3, -1], r"token id -1 at index 1 is outside the vocabulary \[0, 10\)"),
+        ((10,), r"token id 10 at index 0 is outside the vocabulary \[0, 10\)"),
+        ([2**80], r"token id 1208925819614629174706176 at index 0 is outside"),
+    ],
+)
+def test_token_ids_are_ints_in_the_vocabulary(ids, why):
+    with pytest.raises(ValueError, match=rf"^stop_token_ids:? {why}"):
+        check_token_ids("stop_token_ids", ids, 10)
+
+
+def test_token_ids_that_are_fine():
+    check_token_ids("prompt", [0, 9], 10)
+    check_token_ids("prompt", (3,), 10)
+    check_token_ids("prompt", [], 10)  # the engine says an empty prompt is empty

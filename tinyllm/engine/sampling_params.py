@@ -5,7 +5,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from tinyllm.engine.validation import is_int, is_real, show, type_name
+from tinyllm.engine.validation import is_int, is_real, kind_of, show
 
 # Below this a temperature means greedy: dividing logits by it would overflow (vLLM's value).
 _SAMPLING_EPS = 1e-5
@@ -29,8 +29,7 @@ class _Rule(NamedTuple):
     def check(self, where: str, value: object) -> None:
         if not self.type_ok(value):
             raise ValueError(
-                f"SamplingParams.{where}={show(value)} must be {self.text}, "
-                f"not a {type_name(value)}"
+                f"SamplingParams.{where}={show(value)} must be {self.text}, not {kind_of(value)}"
             )
         if not self.value_ok(value):
             raise ValueError(f"SamplingParams.{where}={show(value)} must be {self.text}")
@@ -73,10 +72,16 @@ _RULES = {
     "output_kind": _Rule(_is(RequestOutputKind), _any, "a RequestOutputKind"),
 }
 # The list fields: the rule for the list, then for each of its items.
-_LIST = _Rule(_is(list, tuple, set, frozenset), _any, "a list")
-_ITEMS = {
-    "stop": _Rule(_is(str), lambda v: v != "", "a non-empty string"),
-    "stop_token_ids": _Rule(is_int, _any, "a token id (an integer)"),
+_IS_LIST = _is(list, tuple, set, frozenset)
+_LISTS = {  # field: (the rule for the list, the rule for each item)
+    "stop": (
+        _Rule(_IS_LIST, _any, "a string or a list of strings"),
+        _Rule(_is(str), lambda v: v != "", "a non-empty string"),
+    ),
+    "stop_token_ids": (
+        _Rule(_IS_LIST, _any, "a list of token ids"),
+        _Rule(is_int, _any, "a token id (an integer)"),
+    ),
 }
 _DICT = _Rule(_is(dict), _any, "a dict {token id: bias}")
 _BIAS_KEY = _Rule(is_int, _any, "a token id (an integer)")
@@ -119,10 +124,10 @@ class SamplingParams:
             self.top_k = 0
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        for name, item_rule in _ITEMS.items():
+        for name, (list_rule, item_rule) in _LISTS.items():
             items = getattr(self, name)
             items = [] if items is None else items
-            _LIST.check(name, items)
+            list_rule.check(name, items)
             # A copy, like logit_bias's: changing the caller's list later cannot undo a check.
             setattr(self, name, list(items))
             for i, item in enumerate(getattr(self, name)):

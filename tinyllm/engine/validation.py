@@ -19,8 +19,12 @@ def is_real(x: object) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-def type_name(x: object) -> str:
-    return type(x).__name__
+def kind_of(x: object) -> str:
+    """What `x` is, for an error message: "an int", "a str", "None"."""
+    if x is None:
+        return "None"
+    name = type(x).__name__
+    return f"{'an' if name[0] in 'aeiouAEIOU' else 'a'} {name}"
 
 
 def show(x: object) -> str:
@@ -34,10 +38,10 @@ def show(x: object) -> str:
 def check_token_ids(what: str, ids: object, vocab_size: int) -> None:
     """`ids` is a list (or tuple) of token ids, each an int in [0, vocab_size)."""
     if not isinstance(ids, list | tuple):
-        raise ValueError(f"{what} must be a list of token ids, not a {type_name(ids)}")
+        raise ValueError(f"{what} must be a list of token ids, not {kind_of(ids)}")
     for i, t in enumerate(ids):
         where = f"{what}: token id {show(t)} at index {i}"
         if not is_int(t):
-            raise ValueError(f"{where} is a {type_name(t)}, not an int")
+            raise ValueError(f"{where} is {kind_of(t)}, not an int")
         if not 0 <= t < vocab_size:
             raise ValueError(f"{where} is outside the vocabulary [0, {vocab_size})")
