@@ -25,20 +25,16 @@ NUMBERS = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
     st.sampled_from([math.nan, math.inf, -math.inf, 1e300, 2.5]),
 )
-# Values of every wrong kind; some are right for some fields, which then run.
+# Values of every wrong kind, alone or in a list or a dict; some are right for some fields,
+# which then run.
+KEY = st.one_of(
+    st.booleans(), NUMBERS, st.text(max_size=2), st.none(), HUGE_INTS, st.integers(-3, VOCAB + 3)
+)
+ITEM = st.one_of(KEY, st.lists(st.integers(0, 9), max_size=2))
 JUNK = st.one_of(
-    st.booleans(),
-    NUMBERS,
-    st.text(max_size=3),
-    st.none(),
-    HUGE_INTS,
-    st.lists(st.one_of(st.integers(-3, VOCAB + 3), st.booleans(), NUMBERS), max_size=3),
-    st.lists(st.lists(st.integers(0, 9), max_size=2), min_size=1, max_size=2),
-    st.dictionaries(
-        st.one_of(st.integers(-1, VOCAB), NUMBERS, st.booleans(), st.text(max_size=2)),
-        st.one_of(NUMBERS, st.text(max_size=2), st.none()),
-        max_size=2,
-    ),
+    ITEM,
+    st.lists(ITEM, min_size=1, max_size=3),
+    st.dictionaries(KEY, ITEM, min_size=1, max_size=2),
 )
 # Right values, small enough to run fast.
 VALID = {
@@ -69,19 +65,14 @@ VALID = {
 def _junk(field: str) -> st.SearchStrategy:
     if field == "max_tokens":  # not None or a big count: right, but slow to run
         return JUNK.filter(lambda v: not (v is None or (is_int(v) and v > 2)))
+    if field == "logit_bias":  # right token ids too, so that a wrong bias is what it tries
+        return st.one_of(
+            JUNK, st.dictionaries(st.integers(0, VOCAB - 1), ITEM, min_size=1, max_size=2)
+        )
     return JUNK
 
 
-TOKEN = st.one_of(
-    st.integers(0, VOCAB - 1),
-    st.booleans(),
-    NUMBERS,
-    st.none(),
-    st.text(max_size=2),
-    st.lists(st.integers(0, 9), max_size=2),
-    st.integers(VOCAB, 2**70),
-    HUGE_INTS,
-)
+TOKEN = st.one_of(st.integers(0, VOCAB - 1), ITEM)
 GOOD_PROMPT = st.one_of(
     st.text(min_size=1, max_size=12), st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=5)
 )

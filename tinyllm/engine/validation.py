@@ -28,8 +28,8 @@ def kind_of(x: object) -> str:
 
 
 def show(x: object) -> str:
-    """`x` for an error message: short, even for a long list or string, and an int too long for
-    Python to print (over 4300 digits) as its size."""
+    """`x` for an error message: short, even for a long list or string, and a huge int as its
+    size (Python refuses to print one of over 4300 digits)."""
     if is_int(x) and int(x).bit_length() > 4096:
         return f"<an int of {int(x).bit_length()} bits>"
     return reprlib.repr(x)
