@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow
 
 VOCAB = 49152  # the default model's
 GREEDY = SamplingParams(temperature=0, max_tokens=2)
+NORMAL = "The capital of France is"  # the greedy request the LLM must still answer
 TOO_LONG = "<a prompt of max_model_len tokens>"  # stands for one, made in the test
 
 HUGE_INTS = st.one_of(st.integers(2**63 - 2, 2**70), st.integers(-(2**70), -1))
@@ -147,7 +148,7 @@ def _assert_idle(engine: LLMEngine) -> None:
 
 @pytest.fixture(scope="module")
 def reference(default_config_llm) -> list[int]:
-    tokens = default_config_llm.generate("The capital of France is", GREEDY, use_tqdm=False)
+    tokens = default_config_llm.generate(NORMAL, GREEDY, use_tqdm=False)
     assert len(tokens[0].token_ids) == 2
     return tokens[0].token_ids
 
@@ -181,9 +182,7 @@ def test_anything_is_refused_by_name_or_runs(default_config_llm, reference, case
                 assert all(c.finish_reason in ("stop", "length") for c in out.outputs)
             event("ran")
     _assert_idle(llm.engine)
-    assert llm.generate("The capital of France is", GREEDY, use_tqdm=False)[0].token_ids == (
-        reference
-    )
+    assert llm.generate(NORMAL, GREEDY, use_tqdm=False)[0].token_ids == reference
 
 
 def test_text_that_is_not_unicode_names_prompt_or_messages(default_config_llm):
