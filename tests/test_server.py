@@ -150,12 +150,13 @@ def test_chat_matches_offline_greedy_streamed_or_not(client, offline):
     assert chunks[-1].choices[0].finish_reason == ref.finish_reason
 
 
-def test_stop_string_never_shows(client, offline):
+def test_stop_string_never_shows(client, llm, offline):
     """Neither its text nor its tokens: logprobs list the tokens whose text starts in the
     answer (the last may run on into the cut), streamed or not."""
-    ref = offline.long[0].text
-    stop = ref.split()[2]  # a word from the middle of the greedy answer
-    expected = ref[: ref.index(stop)]
+    ref = offline.long[0]
+    pieces = [llm.tokenizer.decode([t]) for t in ref.token_ids]
+    stop = pieces[2] + pieces[3]  # two tokens from the middle of the greedy answer
+    expected = ref.text[: ref.text.index(stop)]
     kwargs = dict(model=client.model, prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=[stop])
     choice = client.completions.create(**kwargs, logprobs=1).choices[0]
     assert choice.text == expected and choice.finish_reason == "stop"
