@@ -44,9 +44,12 @@ def test_bench_lists_its_workloads():
 @pytest.mark.parametrize(
     ("args", "named"),
     [
-        (["generate", "Hi", "--temperature", "-1"], "argument --temperature: must be in [0, 100]"),
+        (
+            ["generate", "Hi", "--temperature", "-1"],
+            "argument --temperature: must be a number in [0, 100]",
+        ),
         (["generate", "Hi", "--max-tokens", "0"], "argument --max-tokens: must be an integer >= 1"),
-        (["generate", "Hi", "--top-p", "2"], "argument --top-p: must be in (0, 1], got 2"),
+        (["generate", "Hi", "--top-p", "2"], "argument --top-p: must be a number in (0, 1], got 2"),
         (["generate", "Hi", "--top-k", "many"], "argument --top-k: 'many' is not an integer"),
         (["chat", "--temperature", "hot"], "argument --temperature: 'hot' is not a number"),
         (["generate", "Hi", "--threads", "0"], "argument --threads: must be >= 1, got 0"),

@@ -5,11 +5,12 @@ import pytest
 import tokenizers
 
 from tinyllm.engine.output_processor import OutputProcessor, TokenUpdate
+from tinyllm.engine.outputs import TokenLogprob
 from tinyllm.engine.request import Request
 from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from tinyllm.text.tokenizer import Tokenizer
 
-LETTERS = ["<eos>", "a", "b", "S", "T", "O", "P", "x"]
+LETTERS = ["<eos>", "a", "b", "S", "T", "O", "P", "x", "bS"]  # "bS": one token, two letters
 
 
 @pytest.fixture(scope="module")
@@ -21,13 +22,16 @@ def tok() -> Tokenizer:
     return Tokenizer(backend, bos_token_id=None, eos_token_ids=[0])
 
 
-def _feed(tok, text: str, **kw):
-    """Feed the letters of `text` one token at a time; every output, and where it stopped."""
+def _feed(tok, tokens: str | list[str], **kw):
+    """Feed `tokens` (each letter of a str) one at a time; every output, and where it stopped.
+    With logprobs asked for, the i-th token's logprob is -i."""
     proc = OutputProcessor(tok)
     proc.add_request("r", None, [1, 7], SamplingParams(**kw))
     outputs, stopped_at = [], None
-    for i, t in enumerate(text):
-        outs, stopped = proc.process([TokenUpdate("r", LETTERS.index(t), None, None)])
+    for i, t in enumerate(tokens):
+        token = LETTERS.index(t)
+        logprob = TokenLogprob(token, -i) if kw.get("logprobs") is not None else None
+        outs, stopped = proc.process([TokenUpdate("r", token, logprob, None)])
         outputs += outs
         if stopped:
             stopped_at = i
@@ -42,7 +46,7 @@ def test_stop_string_is_held_back_then_cut(tok):
     final = outputs[-1]
     assert stopped_at == 7 and final.finished
     assert final.finish_reason == "stop" and final.outputs[0].stop_reason == "STOP"
-    assert final.text == "aSTb" and len(final.token_ids) == 8
+    assert final.text == "aSTb" and _letters(final.token_ids) == "aSTb"
 
 
 def test_delta_outputs_add_up_to_the_cumulative_ones(tok):
@@ -52,11 +56,35 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(tok):
     for i, out in enumerate(cumulative):  # each delta is exactly what is new
         assert "".join(d.text for d in delta[: i + 1]) == out.text
         assert sum((d.token_ids for d in delta[: i + 1]), []) == out.token_ids
-    assert max(len(d.token_ids) for d in delta) == 1
+    # A token goes out with its text: "STO" waits with its tokens until "b" rules "STOP" out.
+    assert [_letters(d.token_ids) for d in delta] == [d.text for d in delta]
+    assert [d.text for d in delta] == ["a", "b", "", "", "", "STOb", "", "", "", ""]
     final_only, _ = _feed(
         tok, "abSTObSTOP", stop=["STOP"], output_kind=RequestOutputKind.FINAL_ONLY
     )
     assert len(final_only) == 1 and final_only[0].text == cumulative[-1].text == "abSTOb"
+
+
+def _letters(token_ids: list[int]) -> str:
+    return "".join(LETTERS[t] for t in token_ids)
+
+
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_a_stop_strings_tokens_and_logprobs_go_with_its_text(tok, kind):
+    """Tokens wholly past the cut are not reported, nor their logprobs; the last "bS" starts
+    before it, in the text, so it stays (the completions API's text_offset stays in the text)."""
+    tokens = ["a", "bS", "T", "x", "bS", "T", "O", "P"]
+    outputs, stopped_at = _feed(tok, tokens, stop=["STOP"], logprobs=0, output_kind=kind)
+    assert stopped_at == 7
+    completions = [o.outputs[0] for o in outputs]
+    if kind is not RequestOutputKind.DELTA:  # what a client has: the last output, or the sum
+        completions = completions[-1:]
+    assert "".join(c.text for c in completions) == "abSTxb"
+    assert _letters(sum((c.token_ids for c in completions), [])) == "abSTxbS"
+    logprobs = sum((c.logprobs for c in completions), [])
+    assert [(lp.token_id, lp.logprob) for lp in logprobs] == [
+        (LETTERS.index(t), -i) for i, t in enumerate(tokens[:5])
+    ]
 
 
 def _request(**kw) -> Request:

@@ -150,15 +150,21 @@ def test_chat_matches_offline_greedy_streamed_or_not(client, offline):
     assert chunks[-1].choices[0].finish_reason == ref.finish_reason
 
 
-def test_stop_string_never_shows(client, offline):
-    ref = offline.long[0].text
-    stop = ref.split()[2]  # a word from the middle of the greedy answer
-    expected = ref[: ref.index(stop)]
+def test_stop_string_never_shows(client, llm, offline):
+    """Neither its text nor its tokens: logprobs list the tokens whose text starts in the
+    answer (the last may run on into the cut), streamed or not."""
+    ref = offline.long[0]
+    pieces = [llm.tokenizer.decode([t]) for t in ref.token_ids]
+    stop = pieces[2] + pieces[3]  # two tokens from the middle of the greedy answer
+    expected = ref.text[: ref.text.index(stop)]
     kwargs = dict(model=client.model, prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=[stop])
-    r = client.completions.create(**kwargs)
-    assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
-    streamed = "".join(c.choices[0].text for c in client.completions.create(**kwargs, stream=True))
-    assert streamed == expected
+    choice = client.completions.create(**kwargs, logprobs=1).choices[0]
+    assert choice.text == expected and choice.finish_reason == "stop"
+    lp = choice.logprobs
+    assert "".join(lp.tokens).startswith(expected) and max(lp.text_offset) < len(expected)
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, logprobs=1, stream=True)]
+    assert "".join(c.text for c in chunks) == expected
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == lp.tokens
 
 
 def test_seeds_reproduce_and_n_choices_use_seed_plus_i(client):

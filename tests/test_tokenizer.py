@@ -421,3 +421,13 @@ def test_detokenizer_work_per_token_is_bounded(from_gguf: Tokenizer) -> None:
     text = "".join(_stream(detok, ids)) + detok.flush()
     assert text == from_gguf.decode(ids)
     assert max(windows) <= 16
+
+
+@pytest.mark.parametrize("text", ["a\ud800", "\udfff b"])
+def test_lone_surrogates_are_refused_naming_the_field(from_gguf: Tokenizer, text: str) -> None:
+    """A str can carry a lone surrogate (JSON's "\\ud800" does); it is not text, and the error
+    names what held it rather than the tokenizer's "TextInputSequence must be str"."""
+    with pytest.raises(ValueError, match=r"^prompt: not valid Unicode text \(lone surrogate '\\ud"):
+        from_gguf.encode(text)
+    with pytest.raises(ValueError, match=r"^messages: not valid Unicode text"):
+        from_gguf.encode_chat([{"role": "user", "content": text}])

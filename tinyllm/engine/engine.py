@@ -20,6 +20,7 @@ from tinyllm.engine.parent_request import ParentRequest, child_params
 from tinyllm.engine.request import Request, RequestStatus
 from tinyllm.engine.sampling_params import SamplingParams
 from tinyllm.engine.scheduler import Scheduler
+from tinyllm.engine.validation import check_token_ids
 from tinyllm.model.attention import get_backend
 from tinyllm.model.llama import Transformer
 from tinyllm.text.tokenizer import Tokenizer
@@ -114,14 +115,10 @@ class LLMEngine:
                 f"({self._context_is}; the prompt must leave room for a generated token)"
             )
         vocab = self.model.config.vocab_size
-        for what, ids in (
-            ("prompt", prompt_token_ids),
-            ("logit_bias", params.logit_bias),
-            ("stop_token_ids", params.stop_token_ids),
-        ):
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"{what} token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        check_token_ids("prompt", prompt_token_ids, vocab)
+        # SamplingParams checked their types; only the engine knows the vocabulary.
+        check_token_ids("SamplingParams.stop_token_ids", params.stop_token_ids, vocab)
+        check_token_ids("SamplingParams.logit_bias", list(params.logit_bias), vocab)
 
     def add_request(
         self,

@@ -4,9 +4,12 @@ Apart from request state on purpose: the engine core deals in token ids only. Pe
 what changed is worked on: each new token is detokenized incrementally, a stop string is
 searched for only around the new text, and an output holds, as its request's
 `output_kind` asks, only the new part (DELTA, for streaming), everything so far (CUMULATIVE),
-or everything once at the end (FINAL_ONLY, for `LLM.generate`).
+or everything once at the end (FINAL_ONLY, for `LLM.generate`). An output's token ids and
+logprobs are those of its text: held back with a possible stop string's start, and dropped
+with a stop string.
 """
 
+import bisect
 from dataclasses import dataclass
 
 from tinyllm.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
@@ -41,9 +44,11 @@ class _RequestState:
         self.kind = params.output_kind
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.starts: list[int] = []  # where each token's text starts in self.text
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         self.text = ""  # everything detokenized (a possible stop string's start included)
-        self.sent_tokens = self.sent_chars = 0  # what DELTA outputs have handed out
+        self.shown = 0  # tokens that outputs have reported
+        self.sent_chars = 0  # the text DELTA outputs have handed out
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None
@@ -54,14 +59,25 @@ class _RequestState:
         if self.logprobs is not None:
             self.logprobs.append(logprob)
         old = len(self.text)
+        self.starts.append(old)
         self.text += self.detok.add(token)
         for s in self.params.stop:  # only where the new text could complete one
             i = self.text.find(s, max(0, old - len(s) + 1))
             if i >= 0:
                 self.text = self.text[:i]
+                # The stop string's tokens go with its text: an output's tokens and logprobs
+                # are those of its text (one that starts before the cut, or was shown, stays).
+                keep = max(self.shown, self._starting_before(i))
+                del self.token_ids[keep:], self.starts[keep:]
+                if self.logprobs is not None:
+                    del self.logprobs[keep:]
                 self.finish("stop", s, flush=False)
                 return True
         return False
+
+    def _starting_before(self, chars: int) -> int:
+        """How many tokens have text that starts in the first `chars` characters."""
+        return bisect.bisect_left(self.starts, chars)
 
     def finish(self, reason: str, stop_reason=None, error: str | None = None, flush=True):
         if flush:
@@ -88,14 +104,15 @@ class _RequestState:
         if self.kind is RequestOutputKind.FINAL_ONLY and not self.finished:
             return None
         text = self.visible_text()
+        sent = self.shown
+        # A token goes out with its text: while a stop string may still take that, it waits.
+        held = len(text) < len(self.text)
+        self.shown = max(sent, self._starting_before(len(text)) if held else len(self.token_ids))
+        first = sent if self.kind is RequestOutputKind.DELTA else 0
+        token_ids = self.token_ids[first : self.shown]
+        logprobs = None if self.logprobs is None else self.logprobs[first : self.shown]
         if self.kind is RequestOutputKind.DELTA:
-            new_text, new_tokens = text[self.sent_chars :], self.token_ids[self.sent_tokens :]
-            logprobs = self.logprobs[self.sent_tokens :] if self.logprobs is not None else None
-            self.sent_chars, self.sent_tokens = len(text), len(self.token_ids)
-            text, token_ids = new_text, new_tokens
-        else:
-            token_ids = list(self.token_ids)
-            logprobs = list(self.logprobs) if self.logprobs is not None else None
+            text, self.sent_chars = text[self.sent_chars :], len(text)
         completion = CompletionOutput(
             index=0,
             text=text,

@@ -121,6 +121,7 @@ class Tokenizer:
         BOS is prepended only when the model wants it, and not twice when a chat template already
         wrote it at the start of the text.
         """
+        _check_text("prompt", text)
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
@@ -162,12 +163,22 @@ class Tokenizer:
         if not messages:
             raise ValueError("the conversation is empty: give at least one message")
         text = self.apply_chat_template(messages, add_generation_prompt, **extra)
-        text.encode("utf-8")  # UnicodeEncodeError on lone surrogates, which JSON can carry
+        _check_text("messages", text)
         # The template writes any BOS itself, so the tokenizer must not add another.
         return text, self.encode(text, add_special_tokens=False)
 
     def _text_of(self, token_id: int | None) -> str:
         return "" if token_id is None else self.backend.id_to_token(token_id) or ""
+
+
+def _check_text(what: str, text: str) -> None:
+    """A str can hold what no text can: a lone surrogate ("\\ud800", which JSON and Python
+    escapes can carry). The tokenizer would fail on it with a TypeError that names nothing."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        lone = e.object[e.start : e.end]
+        raise ValueError(f"{what}: not valid Unicode text (lone surrogate {lone!r})") from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

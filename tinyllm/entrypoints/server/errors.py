@@ -39,7 +39,7 @@ class APIError(Exception):
 
 def invalid_params(e: ValueError) -> APIError:
     """A 400 for a ValueError from SamplingParams or the engine, naming the field when it can."""
-    m = re.match(r"SamplingParams\.(\w+)=", str(e))
+    m = re.match(r"SamplingParams\.(\w+)", str(e))
     if m is None:
         return APIError(400, str(e))
     # The client never heard of SamplingParams: "top_p=5.0 must be in (0, 1]" is for them.

@@ -39,10 +39,9 @@ MAX_CHOICES = 256  # engine requests one HTTP request may start (prompts x n)
 
 def encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool, param: str) -> list[int]:
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:  # JSON can carry lone surrogates ("\ud800"); text cannot
-        raise APIError(400, f"{param}: not valid Unicode text ({e.reason})", param=param) from e
-    return tokenizer.encode(text, add_special_tokens)
+        return tokenizer.encode(text, add_special_tokens)
+    except ValueError as e:  # not text: JSON can carry lone surrogates ("\ud800")
+        raise APIError(400, str(e), param=param) from e
 
 
 def completion_prompts(
@@ -76,9 +75,7 @@ def chat_prompt(
         conversation.append(message)
     try:
         text, ids = tokenizer.encode_chat(conversation, add_generation_prompt)
-    except UnicodeEncodeError as e:  # JSON can carry lone surrogates ("\ud800"); text cannot
-        raise APIError(400, f"messages: not valid Unicode text ({e.reason})", "messages") from e
-    except ValueError as e:  # no template, or the template refused the conversation
+    except ValueError as e:  # no template, the template refused the conversation, or not text
         raise APIError(400, str(e), param="messages") from e
     return Prompt(ids, text)
 
@@ -109,6 +106,8 @@ def plan_choices(
         try:
             engine.validate_prompt(prompt.token_ids, base)
         except ValueError as e:
+            if str(e).startswith("SamplingParams."):  # a stop_token_ids or logit_bias id
+                raise invalid_params(e) from e
             code = "context_length_exceeded" if len(prompt.token_ids) >= limit else None
             param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
             raise APIError(400, str(e), param=param, code=code) from e
@@ -171,7 +170,5 @@ def _logit_bias(bias: dict[str, float], vocab: int) -> dict[int, float]:
             raise APIError(
                 400, f"logit_bias: {key!r} is not a token id in [0, {vocab})", param="logit_bias"
             )
-        if not -100 <= value <= 100:
-            raise APIError(400, f"logit_bias[{key}]={value} must be in [-100, 100]", "logit_bias")
-        out[int(key)] = value
+        out[int(key)] = value  # SamplingParams checks the bias (LOGIT_BIAS_LIMIT)
     return out
