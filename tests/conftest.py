@@ -69,15 +69,6 @@ def default_config_llm(llm_by_format):
 
 
 @pytest.fixture(scope="session")
-def default_config_llm():
-    """What `LLM()` gives users: int4 weights on tinyllm's kernels, the CPU attention backend,
-    chunked prefill at the default budget (a smaller pool and context, to share it)."""
-    from tinyllm import LLM
-
-    return LLM(num_blocks=256, max_model_len=512)
-
-
-@pytest.fixture(scope="session")
 def tiny():
     """A random one-layer model (vocabulary t0..t63, EOS t1, context 48) and its tokenizer:
     fast enough for property tests of the engine's bookkeeping."""
