@@ -50,7 +50,7 @@ def quantized_activations(x: torch.Tensor) -> torch.Tensor:
     """x as the kernel sees it: per block of 32 (zero-padded), two int8 codes on grids of
     max|x| / 127 and 254 times finer."""
     k = x.shape[-1]
-    g = nn.functional.pad(x.float(), (0, -k % 32)).view(len(x), -1, 32)
+    g = nn.functional.pad(x.float(), (0, -k % 32)).view(len(x), -(-k // 32), 32)
     amax = g.abs().amax(-1, keepdim=True)
     scaled = g * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
     coarse = scaled.round()
