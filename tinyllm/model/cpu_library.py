@@ -3,9 +3,10 @@ layer's element-wise steps (layer_ops.cpp), linear layers on quantized weights
 (quant_linear.cpp) and a whole decoder layer from those (decoder_layer.cpp), one library
 registering torch.ops.tinyllm.*.
 
-It is compiled at first use by torch.utils.cpp_extension (a C++ compiler and ninja, about 15 s;
-torch caches the build, so later processes only load it). The ops run on torch's intra-op
-threads, so torch.set_num_threads applies. Where it cannot build, callers fall back to torch.
+It is compiled at first use by torch.utils.cpp_extension (a C++ compiler and ninja; 15 s on a
+quiet machine, a few minutes on a busy one); torch caches the build, so later processes only
+load it. The ops run on torch's intra-op threads, so torch.set_num_threads applies. Where it
+cannot build, callers fall back to torch.
 """
 
 import functools
@@ -103,14 +104,28 @@ def _compile() -> None:
         raise RuntimeError(f"no C++ compiler: {cxx!r} is not on PATH")
     chosen = level()  # once: a fallback from a forced level warns
     name = f"tinyllm_cpu_{chosen}"
-    if not _is_built(name):  # else a silent pause on a first run, long enough to look hung
-        log.warning("building tinyllm's CPU kernels: once per machine, about 15 s")
+    built = _is_built(name)
+    if not built:  # else a silent pause on a first run, long enough to look hung
+        log.warning(
+            "compiling tinyllm's CPU kernels (%d C++ files, for %s; once per machine: 15 s, "
+            "a few minutes on a busy machine)",
+            len(SOURCES),
+            chosen,
+        )
+    start = time.perf_counter()
     load(
         name=name,
         sources=[str(s) for s in SOURCES],
         extra_cflags=build_flags(chosen),
         extra_ldflags=["-fopenmp"],
         is_python_module=False,  # the library registers its ops with torch
+    )
+    # At warning level after a build, so whoever saw it start sees it end.
+    log.log(
+        logging.INFO if built else logging.WARNING,
+        "tinyllm's CPU kernels %s in %.1f s",
+        "loaded" if built else "compiled",
+        time.perf_counter() - start,
     )
 
 
@@ -128,13 +143,11 @@ def _is_built(name: str) -> bool:
 def library_error() -> str | None:
     """None once the library is built or loaded, else why it cannot be: tried once per process,
     so a machine without a compiler does not retry at every call."""
-    start = time.perf_counter()
     try:
         _compile()
     except Exception as e:  # whatever stops the build, the torch versions of the ops still work
         log.debug("CPU kernels: build failed", exc_info=True)
         return first_error(e)
-    log.info("CPU kernels built or loaded in %.1f s", time.perf_counter() - start)
     return None
 
 
