@@ -342,8 +342,9 @@ def test_a_layer_over_no_tokens_changes_nothing(model):
         (dict(residual=torch.zeros(5, 64).T), r"decoder_layer: residual \[64, 5\] must be"),
         (dict(positions=torch.arange(4)), r"rotary: positions \[4\] must be \[5\]"),
         (dict(intermediate=96), "(linear: dense weight|quant_linear: packed weights)"),
+        (dict(qkv_bias=torch.zeros(7)), r"linear: bias \[7\] must be \[128\], one per output"),
     ],
-    ids=["heads", "cache", "residual", "positions", "intermediate"],
+    ids=["heads", "cache", "residual", "positions", "intermediate", "bias"],
 )
 def test_a_layer_refuses(model, change, message):
     args = layer_args(model, 5) | change

@@ -329,6 +329,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                   int64_t n) {
   TORCH_CHECK(w.dim() >= 1, "linear: weight ", w.sizes(), " has no dims");
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n), "linear: bias ", bias->sizes(),
+              " must be [", n, "], one per output");
   if (w.scalar_type() != at::kByte) {
     TORCH_CHECK(w.dim() == 2 && w.size(0) == n, "linear: dense weight ", w.sizes(), " must have ",
                 n, " output rows");
