@@ -1,6 +1,8 @@
 """The C++ layer ops (model/layer_ops.cpp) against their torch versions, and the rotary
 embedding against transformers' own."""
 
+import re
+
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -85,15 +87,20 @@ def test_silu_and_mul(dtype):
     torch.testing.assert_close(out, layer_ops.silu_and_mul_torch(x), **tol(dtype))
 
 
-def test_a_first_build_says_so_before_it_starts(monkeypatch, caplog):
-    """Building takes about 15 s, once per machine: a new user sees why start-up paused."""
+def test_a_first_build_says_so_before_it_starts_and_when_done(monkeypatch, caplog):
+    """Building takes 15 s to minutes, once per machine: a new user sees why start-up paused,
+    and for how long."""
     import torch.utils.cpp_extension
 
     monkeypatch.setattr(cpu_library, "_is_built", lambda name: False)
     monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kwargs: None)
     with caplog.at_level("WARNING", logger="tinyllm"):
         cpu_library._compile()
-    assert "building tinyllm's CPU kernels: once per machine" in caplog.text
+    start, done = caplog.messages
+    files = len(cpu_library.SOURCES)
+    assert start.startswith(f"compiling tinyllm's CPU kernels ({files} C++ files, for ")
+    assert "once per machine: 15 s, a few minutes on a busy machine" in start
+    assert re.fullmatch(r"tinyllm's CPU kernels compiled in \d+\.\d s", done)
     monkeypatch.setattr(cpu_library, "_is_built", lambda name: True)
     caplog.clear()
     with caplog.at_level("WARNING", logger="tinyllm"):

@@ -50,7 +50,7 @@ def quantized_activations(x: torch.Tensor) -> torch.Tensor:
     """x as the kernel sees it: per block of 32 (zero-padded), two int8 codes on grids of
     max|x| / 127 and 254 times finer."""
     k = x.shape[-1]
-    g = nn.functional.pad(x.float(), (0, -k % 32)).view(len(x), -1, 32)
+    g = nn.functional.pad(x.float(), (0, -k % 32)).view(len(x), -(-k // 32), 32)
     amax = g.abs().amax(-1, keepdim=True)
     scaled = g * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
     coarse = scaled.round()
@@ -246,3 +246,46 @@ def test_a_level_can_be_forced_but_not_misnamed(monkeypatch):
     monkeypatch.setenv("TINYLLM_CPU_LEVEL", "avx9")
     with pytest.raises(ValueError, match="TINYLLM_CPU_LEVEL='avx9': choose one of avx512vnni"):
         cpu_library.level()
+
+
+AVX2_ONLY = dict.fromkeys(cpu_library.NEEDS["avx2"], True)
+AVX512_VNNI = dict.fromkeys(cpu_library.NEEDS["avx512vnni"], True)  # no AVX-VNNI (Cascade Lake)
+
+
+@pytest.mark.parametrize(
+    "capability,flags,forced,expected,missing",
+    [
+        ("AVX2", AVX2_ONLY, "avx512vnni", "avx2", "avx512_f, avx512_bw"),
+        ("AVX2", AVX2_ONLY, "avx2vnni", "avx2", "avx_vnni"),
+        ("AVX512", AVX512_VNNI, "avx2vnni", "avx512vnni", "avx_vnni"),
+        ("DEFAULT", {}, "avx2", "generic", "avx, avx2"),
+        ("AVX512", AVX512_VNNI, "avx2", "avx2", None),
+        ("AVX2", AVX2_ONLY, "generic", "generic", None),
+    ],
+)
+def test_a_forced_level_this_cpu_cannot_run_falls_back_to_its_own(
+    monkeypatch, caplog, capability, flags, forced, expected, missing
+):
+    """A build for extensions the CPU lacks would die of SIGILL at its first kernel, without a
+    message; a lower level is honoured."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: flags)
+    monkeypatch.setenv("TINYLLM_CPU_LEVEL", forced)
+    with caplog.at_level("WARNING", logger="tinyllm"):
+        assert cpu_library.level() == expected
+    if missing is None:
+        assert caplog.text == ""
+    else:
+        assert f"TINYLLM_CPU_LEVEL={forced} needs {missing}" in caplog.text
+        assert f"which this CPU lacks: using this CPU's level, {expected}" in caplog.text
+
+
+def test_this_cpus_own_level_is_never_refused(monkeypatch, caplog):
+    """What the detection picks, every extension its build needs is in torch's flags: a
+    misspelt flag in NEEDS would refuse it."""
+    monkeypatch.delenv("TINYLLM_CPU_LEVEL", raising=False)
+    own = cpu_library.level()
+    monkeypatch.setenv("TINYLLM_CPU_LEVEL", own)
+    with caplog.at_level("WARNING", logger="tinyllm"):
+        assert cpu_library.level() == own
+    assert caplog.text == ""

@@ -3,9 +3,10 @@ layer's element-wise steps (layer_ops.cpp), linear layers on quantized weights
 (quant_linear.cpp) and a whole decoder layer from those (decoder_layer.cpp), one library
 registering torch.ops.tinyllm.*.
 
-It is compiled at first use by torch.utils.cpp_extension (a C++ compiler and ninja, about 15 s;
-torch caches the build, so later processes only load it). The ops run on torch's intra-op
-threads, so torch.set_num_threads applies. Where it cannot build, callers fall back to torch.
+It is compiled at first use by torch.utils.cpp_extension (a C++ compiler and ninja; 15 s on a
+quiet machine, a few minutes on a busy one); torch caches the build, so later processes only
+load it. The ops run on torch's intra-op threads, so torch.set_num_threads applies. Where it
+cannot build, callers fall back to torch.
 """
 
 import functools
@@ -43,15 +44,44 @@ LEVELS = {
     "avx2": ["-march=x86-64-v3"],
     "generic": [],
 }
+# The CPU extensions (torch.cpu.get_capabilities()'s names) each level's code may use. VNNI
+# levels are not ordered by width alone: AVX-VNNI (avx2vnni) is an extension of its own, which
+# CPUs with AVX512-VNNI may lack.
+X86_64_V3 = ("avx", "avx2", "bmi", "bmi2", "f16c", "fma3", "lzcnt")
+X86_64_V4 = (*X86_64_V3, "avx512_f", "avx512_bw", "avx512_cd", "avx512_dq", "avx512_vl")
+NEEDS = {
+    "avx512vnni": (*X86_64_V4, "avx512_vnni"),
+    "avx512": X86_64_V4,
+    "avx2vnni": (*X86_64_V3, "avx_vnni"),
+    "avx2": X86_64_V3,
+    "generic": (),
+}
 
 
 def level() -> str:
     """The best level this CPU runs, or TINYLLM_CPU_LEVEL's (a lower one, to measure or debug
-    the paths another machine would take)."""
-    if forced := os.environ.get("TINYLLM_CPU_LEVEL"):
-        if forced not in LEVELS:
-            raise ValueError(f"TINYLLM_CPU_LEVEL={forced!r}: choose one of {', '.join(LEVELS)}")
-        return forced
+    the paths another machine would take). A forced level that needs an extension this CPU
+    lacks would die on its first illegal instruction (SIGILL, no message): this CPU's level
+    runs instead, with a warning."""
+    forced, best = os.environ.get("TINYLLM_CPU_LEVEL"), _detected()
+    if not forced:
+        return best
+    if forced not in LEVELS:
+        raise ValueError(f"TINYLLM_CPU_LEVEL={forced!r}: choose one of {', '.join(LEVELS)}")
+    has = torch.cpu.get_capabilities()
+    if missing := [ext for ext in NEEDS[forced] if not has.get(ext)]:
+        log.warning(
+            "TINYLLM_CPU_LEVEL=%s needs %s, which this CPU lacks: using this CPU's level, %s",
+            forced,
+            ", ".join(missing),
+            best,
+        )
+        return best
+    return forced
+
+
+def _detected() -> str:
+    """The best level this CPU runs, as torch's own kernels detect it."""
     cap, has = torch.backends.cpu.get_cpu_capability(), torch.cpu.get_capabilities()
     if cap == "AVX512":
         return "avx512vnni" if has.get("avx512_vnni") else "avx512"
@@ -72,15 +102,30 @@ def _compile() -> None:
     cxx = os.environ.get("CXX", "c++")  # the compiler torch's build uses
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler: {cxx!r} is not on PATH")
-    name = f"tinyllm_cpu_{level()}"
-    if not _is_built(name):  # else a silent pause on a first run, long enough to look hung
-        log.warning("building tinyllm's CPU kernels: once per machine, about 15 s")
+    chosen = level()  # once: a fallback from a forced level warns
+    name = f"tinyllm_cpu_{chosen}"
+    built = _is_built(name)
+    if not built:  # else a silent pause on a first run, long enough to look hung
+        log.warning(
+            "compiling tinyllm's CPU kernels (%d C++ files, for %s; once per machine: 15 s, "
+            "a few minutes on a busy machine)",
+            len(SOURCES),
+            chosen,
+        )
+    start = time.perf_counter()
     load(
         name=name,
         sources=[str(s) for s in SOURCES],
-        extra_cflags=build_flags(level()),
+        extra_cflags=build_flags(chosen),
         extra_ldflags=["-fopenmp"],
         is_python_module=False,  # the library registers its ops with torch
+    )
+    # At warning level after a build, so whoever saw it start sees it end.
+    log.log(
+        logging.INFO if built else logging.WARNING,
+        "tinyllm's CPU kernels %s in %.1f s",
+        "loaded" if built else "compiled",
+        time.perf_counter() - start,
     )
 
 
@@ -98,13 +143,11 @@ def _is_built(name: str) -> bool:
 def library_error() -> str | None:
     """None once the library is built or loaded, else why it cannot be: tried once per process,
     so a machine without a compiler does not retry at every call."""
-    start = time.perf_counter()
     try:
         _compile()
     except Exception as e:  # whatever stops the build, the torch versions of the ops still work
         log.debug("CPU kernels: build failed", exc_info=True)
         return first_error(e)
-    log.info("CPU kernels built or loaded in %.1f s", time.perf_counter() - start)
     return None
 
 

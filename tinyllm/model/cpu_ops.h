@@ -9,6 +9,17 @@
 
 namespace tinyllm {
 
+// Refuses, naming the op and the argument, a tensor the kernels cannot read as a plain array of
+// `dtype`: one on another device, strided, or of another dtype.
+inline void check_array(const char* op, const char* name, const at::Tensor& t,
+                        at::ScalarType dtype) {
+  TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be on the CPU, not ", t.device());
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " ", t.sizes(),
+              " must be contiguous, not of strides ", t.strides());
+  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", not ",
+              t.scalar_type());
+}
+
 // layer_ops.cpp
 void rms_norm(const at::Tensor& out, const at::Tensor& x, const std::optional<at::Tensor>& residual,
               const at::Tensor& weight, double eps);

@@ -39,11 +39,17 @@ void decoder_layer(const at::Tensor& residual, const at::Tensor& positions, cons
                    const at::Tensor& query_start_loc, int64_t num_rows, int64_t heads,
                    int64_t kv_heads, int64_t intermediate, double eps, double scale) {
   TORCH_CHECK(weights.size() == 6, "decoder_layer: 6 weights, not ", weights.size());
-  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(),
-              "decoder_layer: residual must be a contiguous (tokens, hidden) matrix");
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), "decoder_layer: residual ",
+              residual.sizes(), " must be a contiguous (tokens, hidden) matrix");
+  TORCH_CHECK(k_cache.dim() == 4, "decoder_layer: k_cache ", k_cache.sizes(),
+              " must be (blocks, block_size, kv_heads, head_dim)");
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && intermediate > 0, "decoder_layer: heads ", heads,
+              ", kv_heads ", kv_heads, " and intermediate ", intermediate, " must be >= 1");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "decoder_layer: q_norm and k_norm together");
   const at::Tensor &input_norm = weights[0], &qkv_w = weights[1], &o_w = weights[2];
   const at::Tensor &post_norm = weights[3], &gate_up_w = weights[4], &down_w = weights[5];
+  // The ops below check the rest: each weight against its input, the K/V heads against the
+  // caches, the step's metadata against q's tokens. A step of no tokens does no work in them.
   const int64_t n = residual.size(0), hidden = residual.size(1), dim = k_cache.size(3);
 
   at::Tensor x = at::empty_like(residual);

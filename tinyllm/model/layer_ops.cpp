@@ -17,6 +17,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -63,18 +64,24 @@ namespace tinyllm {
 // that sum. x, out: (rows, dim); out may be x.
 void rms_norm(const at::Tensor& out, const at::Tensor& x, const std::optional<at::Tensor>& residual,
               const at::Tensor& weight, double eps) {
-  const int64_t dim = x.size(-1), rows = x.numel() / dim;
-  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && weight.is_contiguous(),
-              "rms_norm: tensors must be contiguous");
-  TORCH_CHECK(out.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
-              "rms_norm: x, out and weight must share a dtype");
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
-    scalar_t* res = nullptr;
-    if (residual) {
-      TORCH_CHECK(residual->is_contiguous() && residual->scalar_type() == x.scalar_type(),
-                  "rms_norm: residual must be contiguous, of x's dtype");
-      res = residual->data_ptr<scalar_t>();
-    }
+  const auto dtype = x.scalar_type();
+  check_array("rms_norm", "x", x, dtype);
+  check_array("rms_norm", "out", out, dtype);
+  check_array("rms_norm", "weight", weight, dtype);
+  TORCH_CHECK(x.dim() >= 1, "rms_norm: x must have at least 1 dim, not ", x.sizes());
+  const int64_t dim = x.size(-1);
+  TORCH_CHECK(out.sizes() == x.sizes(), "rms_norm: out ", out.sizes(), " must be x's ", x.sizes());
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim, "rms_norm: weight ", weight.sizes(),
+              " must be [", dim, "], x's last dim");
+  if (residual) {
+    check_array("rms_norm", "residual", *residual, dtype);
+    TORCH_CHECK(residual->sizes() == x.sizes(), "rms_norm: residual ", residual->sizes(),
+                " must be x's ", x.sizes());
+  }
+  if (x.numel() == 0) return;  // no rows, or rows of no features: nothing to normalize
+  const int64_t rows = x.numel() / dim;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dtype, "rms_norm", [&] {
+    scalar_t* res = residual ? residual->data_ptr<scalar_t>() : nullptr;
     rms_norm_impl<scalar_t>(out.data_ptr<scalar_t>(), res, x.data_ptr<scalar_t>(),
                             weight.data_ptr<scalar_t>(), rows, dim, static_cast<float>(eps));
   });
@@ -84,13 +91,22 @@ void rms_norm(const at::Tensor& out, const at::Tensor& x, const std::optional<at
 // Hugging Face's rotate-half layout: x[i] pairs with x[i + D/2]. cos, sin: (positions, D/2).
 void rotary(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
             const at::Tensor& sin, int64_t heads, int64_t head_dim) {
-  TORCH_CHECK(qkv.stride(-1) == 1 && cos.is_contiguous() && sin.is_contiguous() &&
-                  positions.is_contiguous(),
-              "rotary: tensors must be contiguous");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && positions.scalar_type() == at::kLong,
-              "rotary: fp32 tables, int64 positions");
-  TORCH_CHECK(cos.size(1) * 2 == head_dim, "rotary: tables must hold head_dim / 2 frequencies");
+  TORCH_CHECK(qkv.device().is_cpu(), "rotary: qkv must be on the CPU, not ", qkv.device());
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rotary: qkv ", qkv.sizes(), " of strides ",
+              qkv.strides(), " must be a (tokens, width) matrix of contiguous rows");
+  check_array("rotary", "positions", positions, at::kLong);
+  check_array("rotary", "cos", cos, at::kFloat);
+  check_array("rotary", "sin", sin, at::kFloat);
   const int64_t n = qkv.size(0), stride = qkv.stride(0), half = head_dim / 2;
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == n, "rotary: positions ",
+              positions.sizes(), " must be [", n, "], one per row of qkv");
+  TORCH_CHECK(head_dim >= 0 && head_dim % 2 == 0, "rotary: head_dim must be even, not ",
+              head_dim);
+  TORCH_CHECK(heads >= 0 && heads * head_dim <= qkv.size(1), "rotary: ", heads, " heads of ",
+              head_dim, " do not fit in qkv's rows of ", qkv.size(1));
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == half && sin.sizes() == cos.sizes(), "rotary: cos ",
+              cos.sizes(), " and sin ", sin.sizes(), " must both be [positions, ", half,
+              "]: head_dim / 2 frequencies");
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t t = 0; t < n; ++t) {
     TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rotary: position ", pos[t],
@@ -118,10 +134,15 @@ void rotary(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor
 
 // out (N, F) = silu(x[:, :F]) * x[:, F:] for x (N, 2F): the gate and up projections, fused.
 void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
-  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && out.scalar_type() == x.scalar_type(),
-              "silu_and_mul: contiguous tensors of one dtype");
+  check_array("silu_and_mul", "x", x, x.scalar_type());
+  check_array("silu_and_mul", "out", out, x.scalar_type());
+  TORCH_CHECK(out.dim() >= 1, "silu_and_mul: out must have at least 1 dim, not ", out.sizes());
+  std::vector<int64_t> gate_up = out.sizes().vec();
+  gate_up.back() *= 2;
+  TORCH_CHECK(x.sizes() == at::IntArrayRef(gate_up), "silu_and_mul: x ", x.sizes(), " must be ",
+              at::IntArrayRef(gate_up), ": out's rows, twice as wide");
+  if (out.numel() == 0) return;  // no rows, or rows of no features
   const int64_t f = out.size(-1), rows = out.numel() / f;
-  TORCH_CHECK(x.size(-1) == 2 * f, "silu_and_mul: x must be twice as wide as out");
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* in = x.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();

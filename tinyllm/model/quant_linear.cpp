@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -260,7 +261,8 @@ template <int BITS, typename T>
 void run_tiles(const uint8_t* packed, const Quantized& x, T* y, int64_t rows, int64_t n) {
   const int64_t tiles = (n + kRows - 1) / kRows, tile_bytes = x.blocks * record_bytes(BITS);
   // Tiles per task: at least ~64K multiply-adds, so a small layer at one row is not split
-  // into tasks that cost more to start than to run.
+  // into tasks that cost more to start than to run. rows and blocks are >= 1: quant_linear
+  // returns before calling with none.
   const int64_t grain = std::max<int64_t>(1, 65536 / (kRows * kBlock * x.blocks * rows));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     float acc[kMaxRows][kRows];
@@ -294,17 +296,20 @@ namespace tinyllm {
 // x (..., K) fp32 or bf16, packed (tiles, blocks, record bytes) -> y (..., n) in x's dtype.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8, not ", bits);
-  TORCH_CHECK(x.is_contiguous() && packed.is_contiguous() && packed.scalar_type() == at::kByte,
-              "quant_linear: contiguous x and uint8 packed weights");
-  const int64_t k = x.size(-1), rows = x.numel() / std::max<int64_t>(k, 1);
-  const int64_t blocks = packed.size(1);
-  TORCH_CHECK(packed.dim() == 3 && packed.size(0) == (n + kRows - 1) / kRows &&
-                  packed.size(2) == record_bytes(bits) && blocks == (k + kBlock - 1) / kBlock,
-              "quant_linear: packed weights ", packed.sizes(), " do not fit ", n, " outputs of ",
-              k, " inputs at ", bits, " bits");
+  check_array("quant_linear", "x", x, x.scalar_type());
+  check_array("quant_linear", "packed", packed, at::kByte);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "quant_linear: x ", x.sizes(),
+              " must have a last dim of at least 1 input feature");
+  TORCH_CHECK(n >= 0, "quant_linear: n (output features) must be >= 0, not ", n);
+  const int64_t k = x.size(-1), rows = x.numel() / k, blocks = (k + kBlock - 1) / kBlock;
+  const std::vector<int64_t> fits{(n + kRows - 1) / kRows, blocks, record_bytes(bits)};
+  TORCH_CHECK(packed.sizes() == at::IntArrayRef(fits), "quant_linear: packed weights ",
+              packed.sizes(), " do not fit ", n, " outputs of ", k, " inputs at ", bits,
+              " bits, which need ", at::IntArrayRef(fits));
   auto sizes = x.sizes().vec();
   sizes.back() = n;
   at::Tensor y = at::empty(sizes, x.options());
+  if (rows == 0 || n == 0) return y;  // e.g. a step with no row to sample: nothing to compute
   at::Tensor q = at::empty({rows * blocks * 2 * kBlock}, x.options().dtype(at::kChar));
   at::Tensor scales = at::empty({2, rows * blocks}, x.options().dtype(at::kFloat));
   float *d = scales.data_ptr<float>(), *s = d + rows * blocks;
@@ -323,7 +328,14 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                   int64_t n) {
-  if (w.scalar_type() != at::kByte) return at::linear(x, w, bias);
+  TORCH_CHECK(w.dim() >= 1, "linear: weight ", w.sizes(), " has no dims");
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n), "linear: bias ", bias->sizes(),
+              " must be [", n, "], one per output");
+  if (w.scalar_type() != at::kByte) {
+    TORCH_CHECK(w.dim() == 2 && w.size(0) == n, "linear: dense weight ", w.sizes(), " must have ",
+                n, " output rows");
+    return at::linear(x, w, bias);
+  }
   at::Tensor y = quant_linear(x, w, n, w.size(-1) == record_bytes(4) ? 4 : 8);
   return bias ? y.add_(*bias) : y;
 }

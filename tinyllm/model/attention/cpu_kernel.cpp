@@ -33,6 +33,7 @@
 
 namespace {
 
+using tinyllm::check_array;
 using tinyllm::fast_exp;
 
 constexpr int64_t kTile = 32;   // keys per online-softmax step: 8 KiB of fp32 K at D=64
@@ -322,25 +323,92 @@ void attend_typed(const at::Tensor& out, const at::Tensor& q, const at::Tensor& 
   }
 }
 
+// The step's tensors against each other, then each row's numbers against the caches, before
+// anything is read through them: a length or table entry out of range would read outside the
+// pool, a block size or KV head count of zero would divide by zero. Once per call, O(rows +
+// their blocks).
+void check_step(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                const at::Tensor& v_cache, const at::Tensor& block_tables,
+                const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_rows) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "paged_attention: q must be float32 or bfloat16, not ", dtype);
+  TORCH_CHECK(q.device().is_cpu(), "paged_attention: q must be on the CPU, not ", q.device());
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: q ",
+              q.sizes(), " of strides ", q.strides(), " must be (tokens, heads, head_dim) with "
+              "each token's heads contiguous");
+  check_array("paged_attention", "out", out, dtype);
+  check_array("paged_attention", "k_cache", k_cache, dtype);
+  check_array("paged_attention", "v_cache", v_cache, dtype);
+  TORCH_CHECK(out.sizes() == q.sizes(), "paged_attention: out ", out.sizes(), " must be q's ",
+              q.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(1) > 0 && k_cache.size(2) > 0 &&
+                  k_cache.size(3) == q.size(2),
+              "paged_attention: k_cache ", k_cache.sizes(), " must be (blocks, block_size >= 1, "
+              "kv_heads >= 1, q's head_dim ", q.size(2), ")");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "paged_attention: v_cache ", v_cache.sizes(),
+              " must be k_cache's ", k_cache.sizes());
+  const int64_t Hkv = k_cache.size(2);
+  TORCH_CHECK(q.size(1) > 0 && q.size(1) % Hkv == 0, "paged_attention: q's ", q.size(1),
+              " heads must be a positive multiple of the caches' ", Hkv, " KV heads");
+  check_array("paged_attention", "block_tables", block_tables, at::kLong);
+  check_array("paged_attention", "seq_lens", seq_lens, at::kLong);
+  check_array("paged_attention", "query_start_loc", query_start_loc, at::kLong);
+  TORCH_CHECK(num_rows >= 0, "paged_attention: num_rows must be >= 0, not ", num_rows);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_rows,
+              "paged_attention: block_tables ", block_tables.sizes(), " must be [num_rows ",
+              num_rows, ", blocks]");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == num_rows, "paged_attention: seq_lens ",
+              seq_lens.sizes(), " must be [num_rows ", num_rows, "]");
+  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.size(0) == num_rows + 1,
+              "paged_attention: query_start_loc ", query_start_loc.sizes(),
+              " must be [num_rows + 1 ", num_rows + 1, "]");
+  const int64_t *starts = query_start_loc.data_ptr<int64_t>(), *lens = seq_lens.data_ptr<int64_t>();
+  const int64_t *tables = block_tables.data_ptr<int64_t>(), max_blocks = block_tables.size(1);
+  const int64_t bs = k_cache.size(1), pool = k_cache.size(0);
+  TORCH_CHECK(starts[0] == 0 && starts[num_rows] == q.size(0), "paged_attention: query_start_loc "
+              "must run from 0 to q's ", q.size(0), " tokens, not from ", starts[0], " to ",
+              starts[num_rows]);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t n = starts[r + 1] - starts[r], blocks = (lens[r] + bs - 1) / bs;
+    TORCH_CHECK(n >= 0 && lens[r] >= n, "paged_attention: row ", r, " has ", n,
+                " new tokens and seq_lens ", lens[r], "; its context must hold its new tokens");
+    TORCH_CHECK(blocks <= max_blocks, "paged_attention: row ", r, "'s ", lens[r], " tokens need ",
+                blocks, " blocks of ", bs, ", block_tables has ", max_blocks);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t id = tables[r * max_blocks + b];
+      TORCH_CHECK(id >= 0 && id < pool, "paged_attention: block_tables[", r, "][", b, "] = ", id,
+                  " outside the caches' ", pool, " blocks");
+    }
+  }
+}
+
 // Each new token's K and V rows (N, Hkv, D), rows possibly strided (views of the fused qkv),
-// copied to its cache slot.
+// copied to its cache slot. N: q's tokens.
 void write_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
-                 const at::Tensor& v, const at::Tensor& slot_mapping) {
-  const int64_t n = k.size(0), width = k.size(1) * k.size(2), slots = k_cache.numel() / width;
-  TORCH_CHECK(v.sizes() == k.sizes() && k.size(1) == k_cache.size(2) &&
-                  k.size(2) == k_cache.size(3) && slot_mapping.numel() == n,
-              "k, v and slot_mapping must match the caches' heads and each other");
-  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 &&
-                  v.stride(1) == v.size(2) && k.scalar_type() == k_cache.scalar_type() &&
-                  v.scalar_type() == k_cache.scalar_type(),
-              "k and v: rows of contiguous heads, of the caches' dtype");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
-              "slot_mapping must be contiguous int64");
+                 const at::Tensor& v, const at::Tensor& slot_mapping, int64_t n) {
+  for (const at::Tensor* t : {&k, &v}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == k_cache.scalar_type(),
+                "paged_attention: k and v must be on the CPU, of the caches' dtype ",
+                k_cache.scalar_type());
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == n && t->size(1) == k_cache.size(2) &&
+                    t->size(2) == k_cache.size(3) && t->stride(2) == 1 &&
+                    t->stride(1) == t->size(2),
+                "paged_attention: k ", k.sizes(), " and v ", v.sizes(), " must be [", n, ", ",
+                k_cache.size(2), ", ", k_cache.size(3),
+                "] (q's tokens, the caches' heads and head_dim), each token's heads contiguous");
+  }
+  check_array("paged_attention", "slot_mapping", slot_mapping, at::kLong);
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == n,
+              "paged_attention: slot_mapping ", slot_mapping.sizes(), " must be [", n,
+              "], one slot per token");
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < n; ++t) {
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot ", slot[t], " outside the cache's ", slots);
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "paged_attention: slot ", slot[t],
+                " outside the cache's ", slots);
   }
-  const int64_t bytes = width * k.element_size();
+  const int64_t bytes = k.size(1) * k.size(2) * k.element_size();
   auto* kc = static_cast<char*>(k_cache.data_ptr());
   auto* vc = static_cast<char*>(v_cache.data_ptr());
   const auto *ks = static_cast<const char*>(k.data_ptr()), *vs = static_cast<const char*>(v.data_ptr());
@@ -363,31 +431,16 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                      const std::optional<at::Tensor>& slot_mapping,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, int64_t num_rows, double scale) {
-  for (const at::Tensor* t : {&out, &k_cache, &v_cache, &block_tables, &seq_lens,
-                              &query_start_loc}) {
-    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "tensors must be contiguous, on CPU");
-  }
-  TORCH_CHECK(q.device().is_cpu() && q.stride(2) == 1 && q.stride(1) == q.size(2),
-              "q: rows of contiguous heads, on CPU");
-  for (const at::Tensor* t : {&out, &k_cache, &v_cache}) {
-    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "q, out and the caches must share a dtype");
-  }
-  for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc}) {
-    TORCH_CHECK(t->scalar_type() == at::kLong, "block tables, lengths and starts must be int64");
-  }
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(q.size(2) == k_cache.size(3), "q and the caches must share a head dim");
+  check_step(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_rows);
   TORCH_CHECK(k.has_value() == v.has_value() && k.has_value() == slot_mapping.has_value(),
-              "k, v and slot_mapping come together");
-  if (k) write_cache(k_cache, v_cache, *k, *v, *slot_mapping);
+              "paged_attention: k, v and slot_mapping come together");
+  if (k) write_cache(k_cache, v_cache, *k, *v, *slot_mapping, q.size(0));
   if (q.scalar_type() == at::kFloat) {
     attend_typed<float>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                         num_rows, scale);
-  } else if (q.scalar_type() == at::kBFloat16) {
+  } else {
     attend_typed<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens,
                                 query_start_loc, num_rows, scale);
-  } else {
-    TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
   }
 }
 
