@@ -273,7 +273,7 @@ template <int64_t kD, typename T>
 void attend_impl(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                  const at::Tensor& v_cache, const at::Tensor& block_tables,
                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_rows,
-                 double scale) {
+                 int64_t num_decodes, double scale) {
   const int64_t Hkv = k_cache.size(2), G = q.size(1) / Hkv, D = q.size(2);
   const Step<kD, T> c{q.size(1), D, k_cache.size(1), Hkv, G, block_tables.size(1), q.stride(0),
                       q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
@@ -284,7 +284,7 @@ void attend_impl(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t n = c.starts[r + 1] - c.starts[r];
     for (int64_t g = 0; g < Hkv; ++g) {
-      if (n == 1) {
+      if (r < num_decodes) {
         items.push_back({r, g, -1});
       } else {
         for (int64_t j0 = 0; j0 < n * G; j0 += kVecs * kLanes) items.push_back({r, g, j0});
@@ -311,10 +311,10 @@ template <typename T>
 void attend_typed(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_rows,
-                  double scale) {
+                  int64_t num_decodes, double scale) {
   auto run = [&](auto kD) {
     attend_impl<decltype(kD)::value, T>(out, q, k_cache, v_cache, block_tables, seq_lens,
-                                        query_start_loc, num_rows, scale);
+                                        query_start_loc, num_rows, num_decodes, scale);
   };
   switch (q.size(2)) {  // the common head dims get unrolled loops
     case 64: return run(std::integral_constant<int64_t, 64>{});
@@ -329,7 +329,8 @@ void attend_typed(const at::Tensor& out, const at::Tensor& q, const at::Tensor& 
 // their blocks).
 void check_step(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                 const at::Tensor& v_cache, const at::Tensor& block_tables,
-                const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_rows) {
+                const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_rows,
+                int64_t num_decodes) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "paged_attention: q must be float32 or bfloat16, not ", dtype);
@@ -355,6 +356,8 @@ void check_step(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
   check_array("paged_attention", "seq_lens", seq_lens, at::kLong);
   check_array("paged_attention", "query_start_loc", query_start_loc, at::kLong);
   TORCH_CHECK(num_rows >= 0, "paged_attention: num_rows must be >= 0, not ", num_rows);
+  TORCH_CHECK(num_decodes >= 0 && num_decodes <= num_rows, "paged_attention: num_decodes ",
+              num_decodes, " must be in [0, num_rows ", num_rows, "]");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_rows,
               "paged_attention: block_tables ", block_tables.sizes(), " must be [num_rows ",
               num_rows, ", blocks]");
@@ -373,6 +376,8 @@ void check_step(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
     const int64_t n = starts[r + 1] - starts[r], blocks = (lens[r] + bs - 1) / bs;
     TORCH_CHECK(n >= 0 && lens[r] >= n, "paged_attention: row ", r, " has ", n,
                 " new tokens and seq_lens ", lens[r], "; its context must hold its new tokens");
+    TORCH_CHECK(r >= num_decodes || n == 1, "paged_attention: row ", r, " has ", n,
+                " new tokens; a decode row (below num_decodes ", num_decodes, ") has one");
     TORCH_CHECK(blocks <= max_blocks, "paged_attention: row ", r, "'s ", lens[r], " tokens need ",
                 blocks, " blocks of ", bs, ", block_tables has ", max_blocks);
     for (int64_t b = 0; b < blocks; ++b) {
@@ -422,7 +427,10 @@ void write_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at:
 
 namespace tinyllm {
 
-// Attention for rows [0, num_rows) of the step, written into out (N, Hq, D). With k, v and
+// Attention for rows [0, num_rows) of the step, written into out (N, Hq, D); rows
+// [0, num_decodes) are decodes (one new, generated token), taken by the decode path, the rest by
+// the prefill path, a prompt's one-token chunk too: a prompt token then gives the same bits
+// however the prompt was chunked, a generated one whatever shares its step. With k, v and
 // slot_mapping, the step's new K/V rows are written into the caches first; without, the caches
 // already hold every row's context, this step's new tokens included. q's rows may be strided.
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
@@ -430,17 +438,19 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                      const std::optional<at::Tensor>& v,
                      const std::optional<at::Tensor>& slot_mapping,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     const at::Tensor& query_start_loc, int64_t num_rows, double scale) {
-  check_step(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_rows);
+                     const at::Tensor& query_start_loc, int64_t num_rows, int64_t num_decodes,
+                     double scale) {
+  check_step(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_rows,
+             num_decodes);
   TORCH_CHECK(k.has_value() == v.has_value() && k.has_value() == slot_mapping.has_value(),
               "paged_attention: k, v and slot_mapping come together");
   if (k) write_cache(k_cache, v_cache, *k, *v, *slot_mapping, q.size(0));
   if (q.scalar_type() == at::kFloat) {
     attend_typed<float>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                        num_rows, scale);
+                        num_rows, num_decodes, scale);
   } else {
     attend_typed<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens,
-                                query_start_loc, num_rows, scale);
+                                query_start_loc, num_rows, num_decodes, scale);
   }
 }
 
@@ -452,6 +462,6 @@ TORCH_LIBRARY(tinyllm, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor(b!) k_cache, Tensor(c!) v_cache, "
       "Tensor? k, Tensor? v, Tensor? slot_mapping, Tensor block_tables, Tensor seq_lens, "
-      "Tensor query_start_loc, int num_rows, float scale) -> ()",
+      "Tensor query_start_loc, int num_rows, int num_decodes, float scale) -> ()",
       &tinyllm::paged_attention);
 }
