@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from tinyllm.engine.config import EngineConfig
 from tinyllm.engine.engine import LLMEngine
+from tinyllm.engine.memory import release_free_heap
 from tinyllm.engine.outputs import RequestOutput
 from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from tinyllm.entrypoints.generation_config import check_generation_config, default_sampling
@@ -87,6 +88,8 @@ class LLM:
                 "use generation_config='vllm' (--generation-config vllm)"
             ) from None
         self.engine = LLMEngine(net.eval(), loaded.tokenizer, EngineConfig(**engine_args))
+        del files, loaded, weights, dense  # the file as read: the model holds what it keeps
+        release_free_heap()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate and chat use when given no SamplingParams: the model's recommended
