@@ -5,6 +5,7 @@ import logging
 import time
 
 import torch
+from torch.overrides import TorchFunctionMode
 from tqdm import tqdm
 
 from tinyllm.engine.config import EngineConfig
@@ -44,6 +45,19 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
+class _SkipInit(TorchFunctionMode):
+    """Skips torch.nn.init's random initialization while the model is built on the meta
+    device: its weights come from the file. There nn.Embedding's normal_ runs through torch's
+    Python decompositions, whose first use imports torch._dynamo and sympy: about 90 MB
+    resident, and seconds of loading, for values never used."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":  # init_(tensor, ...) -> tensor
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
 class LLM:
     def __init__(
         self,
@@ -71,7 +85,7 @@ class LLM:
         dtype_name = str(torch_dtype).removeprefix("torch.")
         log.info("dtype %s (%s), quantization %s (%s)", dtype_name, why_dtype, quantization, why)
         loaded = load_model(model, torch_dtype, quantization != "none", files)
-        with torch.device("meta"):
+        with torch.device("meta"), _SkipInit():
             net = Transformer(loaded.config)
         weights = fuse_projections(loaded.weights, loaded.config.num_layers)
         dense = quantize_linears(net, weights, quantization, torch_dtype)
