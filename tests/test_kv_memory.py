@@ -114,10 +114,12 @@ def measured() -> dict:
 
 
 @pytest.mark.slow
-def test_the_default_model_loads_in_under_500_mb_resident(measured):
-    # torch alone is about 220 MB, the int4 weights 98 MB; the 2 GiB pool adds nothing yet.
+def test_the_default_model_loads_in_under_450_mb_resident(measured):
+    # Measured about 400 MB: torch's import 230, the int4 weights 98; the 2 GiB pool adds
+    # nothing yet. The heap's freed loading temporaries (~350 MB) or torch._dynamo's import
+    # (~90 MB) coming back would cross the line.
     assert measured["pool_blocks"] * measured["block_bytes"] > 1e9
-    assert measured["loaded"] < 500 * MB, f"{measured['loaded'] / MB:.0f} MB resident"
+    assert measured["loaded"] < 450 * MB, f"{measured['loaded'] / MB:.0f} MB resident"
 
 
 @pytest.mark.slow
