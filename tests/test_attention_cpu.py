@@ -1,5 +1,6 @@
 """The CPU attention backend (a C++ kernel reading the paged blocks in place) against the
-reference backend (gather + SDPA) on random steps, and its fallbacks."""
+reference backend (gather + SDPA) on random steps, and its fallbacks; both against garbage in
+the slots no row may read."""
 
 import math
 
@@ -102,6 +103,22 @@ def test_matches_reference_and_ignores_unused_slots(backend, step, garbage):
     k_cache[unused] = garbage
     v_cache[unused] = -garbage
     assert torch.equal(backend.attend(q, k, v, k_cache, v_cache, meta, scale), out)
+
+
+@settings(max_examples=40, deadline=None)
+@given(step=steps(), garbage=st.sampled_from([float("nan"), float("inf")]))
+def test_the_reference_ignores_unused_slots_too(step, garbage):
+    """The pool is never zeroed: the reference's decode gathers whole blocks and masks the
+    slots past each row's length, and a masked weight of 0 times a NaN or inf value would
+    still be NaN."""
+    args, unused = build(**step)
+    scale = step["D"] ** -0.5
+    out = REFERENCE.attend(*args, scale=scale)
+    assert not out.isnan().any()
+    q, k, v, k_cache, v_cache, meta = args
+    k_cache[unused] = garbage
+    v_cache[unused] = -garbage
+    assert torch.equal(REFERENCE.attend(q, k, v, k_cache, v_cache, meta, scale), out)
 
 
 @settings(max_examples=15, deadline=None)

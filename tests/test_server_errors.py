@@ -247,6 +247,10 @@ def test_start_up_says_what_is_served_and_where(log_path):
     log = log_path.read_text()
     assert "serving SmolLM2-135M-Instruct.Q4_1 (context 192 tokens) on a free port" in log
     assert "loaded SmolLM2-135M-Instruct.Q4_1: 134.5M parameters" in log
+    assert "paged KV cache: 12 blocks x 16 tokens = 192 tokens" in log
+    assert "limited by num_blocks" in log
+    resident = re.search(r"API key required; (\d+) MB resident", log)
+    assert resident and 100 < int(resident[1]) < 1000  # torch and the int4 weights, mostly
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}])

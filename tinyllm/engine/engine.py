@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from tinyllm.engine.config import EngineConfig
 from tinyllm.engine.kv_cache_manager import KVCacheManager
+from tinyllm.engine.memory import available_bytes
 from tinyllm.engine.model_runner import ModelRunner, kv_bytes_per_token
 from tinyllm.engine.output_processor import OutputProcessor, TokenUpdate
 from tinyllm.engine.outputs import RequestOutput
@@ -42,7 +43,13 @@ class EngineStats:
 
 
 def build_kv_cache_manager(model: Transformer, cfg: EngineConfig, max_len: int) -> KVCacheManager:
-    """The paged pool, or the slot baseline: the same manager with blocks of max_len tokens."""
+    """The paged pool, or the slot baseline: the same manager with blocks of max_len tokens.
+
+    `num_blocks` when given; else the fewest blocks of what `kv_cache_memory` holds, what
+    `max_num_seqs` requests of `max_len` tokens could ever use, and half the memory still
+    available on the device. The pool's pages are touched only as blocks are written, so a
+    large pool costs nothing up front, but one larger than the machine can back would fail
+    as it fills; the other half is left for activations and whatever else the machine runs."""
     per_token = kv_bytes_per_token(model)
     block_size = max_len if cfg.kv_cache == "slot" else cfg.block_size
     unit = per_token * block_size
@@ -52,18 +59,34 @@ def build_kv_cache_manager(model: Transformer, cfg: EngineConfig, max_len: int) 
             f"kv_cache_memory={cfg.kv_cache_memory} bytes cannot hold {what} ({unit} bytes); "
             "raise kv_cache_memory or lower max_model_len"
         )
-    if cfg.kv_cache == "slot":
-        num_blocks = min(cfg.max_num_seqs, cfg.num_blocks or cfg.kv_cache_memory // unit)
+    limits = {}  # why -> blocks; the first of the smallest wins, so a setting given beats a tie
+    if cfg.num_blocks is not None:
+        limits["num_blocks"] = cfg.num_blocks
     else:
-        num_blocks = cfg.num_blocks or cfg.kv_cache_memory // unit
+        limits[f"kv_cache_memory {cfg.kv_cache_memory / 2**20:.0f} MiB"] = (
+            cfg.kv_cache_memory // unit
+        )
+    if cfg.num_blocks is None or cfg.kv_cache == "slot":
+        seqs = f"max_num_seqs {cfg.max_num_seqs} x max_model_len {max_len}"
+        limits[seqs] = cfg.max_num_seqs * -(-max_len // block_size)
+    available = available_bytes(model.device) if cfg.num_blocks is None else None
+    if available is not None:
+        limits[f"half the {available / 2**20:.0f} MiB available"] = available // 2 // unit
+    reason, num_blocks = min(limits.items(), key=lambda item: item[1])
+    if num_blocks < 1:
+        raise ValueError(
+            f"{available} bytes of memory are available: half of it cannot hold one KV block "
+            f"({unit} bytes); free memory, or set num_blocks to size the cache yourself"
+        )
     tokens = num_blocks * block_size
     log.info(
-        "%s KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB)",
+        "%s KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB, limited by %s)",
         cfg.kv_cache,
         num_blocks,
         block_size,
         tokens,
         tokens * per_token / 2**20,
+        reason,
     )
     if tokens < max_len:
         log.warning(

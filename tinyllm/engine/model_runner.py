@@ -2,6 +2,11 @@
 
 The runner owns the K/V tensors: per layer a pool of `num_blocks + 1` blocks, token-major
 (block, offset, kv head, dim), the last block scratch (padded block-table entries point there).
+The pool is allocated, not zeroed: on the CPU a large allocation is a fresh anonymous mapping
+whose pages take no memory until a block is written, so resident memory follows the blocks in
+use, not the pool's size. An unwritten slot holds any bits (NaN included), as does a slot
+written by an earlier request; the attention backends never let a slot at or past a row's
+`seq_len` reach the output.
 Each step it builds, once, what every layer's attention reads: token ids, positions, the slot
 each new K/V goes to, block tables, query start offsets and context lengths. Decode rows go
 first, so a backend can treat them as one batch of single-token queries.
@@ -45,8 +50,8 @@ class ModelRunner:
         shape = (num_blocks + 1, block_size, c.num_kv_heads, c.head_dim)
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=model.dtype, device=self.device),
-                torch.zeros(shape, dtype=model.dtype, device=self.device),
+                torch.empty(shape, dtype=model.dtype, device=self.device),
+                torch.empty(shape, dtype=model.dtype, device=self.device),
             )
             for _ in range(c.num_layers)
         ]

@@ -5,10 +5,12 @@ import logging
 import time
 
 import torch
+from torch.overrides import TorchFunctionMode
 from tqdm import tqdm
 
 from tinyllm.engine.config import EngineConfig
 from tinyllm.engine.engine import LLMEngine
+from tinyllm.engine.memory import release_free_heap
 from tinyllm.engine.outputs import RequestOutput
 from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from tinyllm.entrypoints.generation_config import check_generation_config, default_sampling
@@ -43,6 +45,19 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
+class _SkipInit(TorchFunctionMode):
+    """Skips torch.nn.init's random initialization while the model is built on the meta
+    device: its weights come from the file. There nn.Embedding's normal_ runs through torch's
+    Python decompositions, whose first use imports torch._dynamo and sympy: about 90 MB
+    resident, and seconds of loading, for values never used."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":  # init_(tensor, ...) -> tensor
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
 class LLM:
     def __init__(
         self,
@@ -70,7 +85,7 @@ class LLM:
         dtype_name = str(torch_dtype).removeprefix("torch.")
         log.info("dtype %s (%s), quantization %s (%s)", dtype_name, why_dtype, quantization, why)
         loaded = load_model(model, torch_dtype, quantization != "none", files)
-        with torch.device("meta"):
+        with torch.device("meta"), _SkipInit():
             net = Transformer(loaded.config)
         weights = fuse_projections(loaded.weights, loaded.config.num_layers)
         dense = quantize_linears(net, weights, quantization, torch_dtype)
@@ -87,6 +102,8 @@ class LLM:
                 "use generation_config='vllm' (--generation-config vllm)"
             ) from None
         self.engine = LLMEngine(net.eval(), loaded.tokenizer, EngineConfig(**engine_args))
+        del files, loaded, weights, dense  # the file as read: the model holds what it keeps
+        release_free_heap()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate and chat use when given no SamplingParams: the model's recommended

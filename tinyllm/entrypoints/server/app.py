@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
 from tinyllm import __version__
+from tinyllm.engine.memory import resident_bytes
 from tinyllm.entrypoints.llm import LLM
 from tinyllm.entrypoints.server.engine_loop import EngineLoop
 from tinyllm.entrypoints.server.errors import APIError, BodyLimitMiddleware, install_error_handlers
@@ -140,12 +141,15 @@ def serve(args: argparse.Namespace) -> None:
     app = create_app(llm, api_key=args.api_key)
     host = f"[{args.host}]" if ":" in args.host else args.host
     where = f"http://{host}:{args.port}" if args.port else f"a free port on {args.host}"
+    resident = resident_bytes()
     log.info(
-        "serving %s (context %d tokens) on %s: OpenAI API under /v1, also /health and /metrics; %s",
+        "serving %s (context %d tokens) on %s: OpenAI API under /v1, also /health and /metrics; "
+        "%s; %s resident",
         llm.model_name,
         llm.engine.max_model_len,
         where,
         "API key required" if args.api_key else "no API key",
+        "? MB" if resident is None else f"{resident / 1e6:.0f} MB",
     )
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         log.warning("serving on %s without an API key: whoever reaches it can use it", args.host)

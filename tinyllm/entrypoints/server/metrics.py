@@ -1,6 +1,13 @@
 """Prometheus metrics for one server, in their own registry (so two apps never share counters)."""
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 from tinyllm.engine.engine import EngineStats
 
@@ -11,6 +18,9 @@ class ServerMetrics:
     def __init__(self, baseline: EngineStats) -> None:
         """`baseline`: the engine's totals now (it may have run before); counters start there."""
         self.registry = r = CollectorRegistry()
+        # process_resident_memory_bytes and the other process_* series, read at each scrape
+        # (on Linux): the KV pool's pages count only once written, so this follows the load.
+        ProcessCollector(registry=r)
         self.running = Gauge("tinyllm_num_requests_running", "Requests decoding.", registry=r)
         self.waiting = Gauge("tinyllm_num_requests_waiting", "Requests queued.", registry=r)
         self.running_peak = Gauge(

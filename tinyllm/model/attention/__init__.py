@@ -8,6 +8,12 @@ head_dim)`; the last block is scratch, which padded block-table entries point to
 Row r's new tokens are `q[query_start_loc[r]:query_start_loc[r + 1]]`; they sit at the last
 positions of its context of `seq_lens[r]` tokens, so new token i of a row with `n` new tokens
 attends causally to context positions `[0, seq_lens[r] - n + i]`.
+
+The pool is never zeroed: a slot at or past a row's `seq_lens[r]` (the tail of its last block,
+the scratch block) holds whatever bits were there, NaN included, or an earlier request's K/V.
+No backend lets such a slot reach the output: the CPU and CUDA kernels never read past a row's
+length, and the reference zeroes what it gathered there (masking the scores alone is not
+enough: a weight of 0 times a NaN value is NaN).
 """
 
 from tinyllm.model.attention.backend import AttentionBackend, AttentionMetadata, ForwardContext

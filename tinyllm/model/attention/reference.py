@@ -58,16 +58,20 @@ class ReferenceBackend(AttentionBackend):
 
     @staticmethod
     def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> Tensor:
-        """All one-token rows at once: gather, mask each row past its length, one SDPA."""
+        """All one-token rows at once: gather, mask each row past its length, one SDPA.
+        The slots past a row's length (its last block's tail, the scratch block) were never
+        written and may hold NaN: masking their scores is not enough, as a weight of 0 times a
+        NaN value is NaN, so the gathered copies are zeroed there first."""
         nd, bs = meta.num_decodes, k_cache.shape[1]
         n_blocks = math.ceil(max(meta.seq_lens_cpu[:nd]) / bs)
         table = meta.block_tables[:nd, :n_blocks]
-        keys = gather_blocks(k_cache, table).transpose(1, 2)  # (nd, H, S, D)
-        values = gather_blocks(v_cache, table).transpose(1, 2)
         visible = torch.arange(n_blocks * bs, device=q.device) < meta.seq_lens[:nd, None]
+        hidden = ~visible[:, :, None, None]
+        keys = gather_blocks(k_cache, table).masked_fill_(hidden, 0).transpose(1, 2)
+        values = gather_blocks(v_cache, table).masked_fill_(hidden, 0).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q[:, :, None],  # (nd, Hq, 1, D)
-            keys,
+            keys,  # (nd, H, S, D)
             values,
             attn_mask=visible[:, None, None, :],
             scale=scale,
