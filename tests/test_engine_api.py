@@ -167,3 +167,17 @@ def test_an_error_inside_a_step_ends_only_the_request_it_concerns(tiny, caplog):
     assert engine.kv.pool.num_used == 0 and not engine.requests
     engine.add_request(None, GREEDY, request_id="next", prompt_token_ids=[3, 4, 5, 6, 7])
     assert _drain(engine)["next"].token_ids == expected
+
+
+def test_a_step_of_prompt_chunks_only_never_runs_the_lm_head(tiny, monkeypatch):
+    """No row samples after a chunk that leaves the prompt unfinished: the LM head is not run
+    (on zero rows it once divided by zero in the int4 kernel and killed the process)."""
+    engine = _engine(tiny, max_num_batched_tokens=4)
+    model = engine.runner.model
+    rows = []
+    logits = model.logits
+    monkeypatch.setattr(model, "logits", lambda h: rows.append(len(h)) or logits(h))
+    engine.add_request(None, GREEDY, request_id="a", prompt_token_ids=list(range(2, 13)))
+    out = _drain(engine)["a"]
+    assert len(out.token_ids) == 4
+    assert rows == [1, 1, 1, 1]  # 11 tokens in chunks of 4: two steps without a row to sample
