@@ -50,6 +50,8 @@ def _run(model: llama.Transformer) -> tuple[list[torch.Tensor], list[torch.Tenso
     """The final hidden states of each step, and the K/V caches after the last."""
     kv = KVCacheManager(16, BLOCK)
     runner = ModelRunner(model, kv.num_blocks, BLOCK, get_backend("cpu", model.device))
+    for cache in (c for pair in runner.kv_caches for c in pair):
+        cache.zero_()  # the pool is not zeroed: slots never written would differ between runs
     requests = [
         Request(str(i), p, SamplingParams(max_tokens=4), 4, [], seed=0)
         for i, p in enumerate(PROMPTS)
@@ -116,6 +118,8 @@ def test_a_bad_weight_list_is_an_error_not_a_crash():
     layer.native_args = (weights[:5], *rest)
     kv = KVCacheManager(4, BLOCK)
     runner = ModelRunner(model, kv.num_blocks, BLOCK, get_backend("cpu", model.device))
+    for cache in (c for pair in runner.kv_caches for c in pair):
+        cache.zero_()  # the pool is not zeroed: slots never written would differ between runs
     r = Request("0", PROMPTS[0], SamplingParams(max_tokens=1), 1, [], seed=0)
     assert kv.allocate(r, r.num_tokens)
     batch = runner.prepare_inputs([(r, r.num_tokens)])
