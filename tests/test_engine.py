@@ -165,14 +165,18 @@ def test_preemption_reproduces_outputs(default_llm, workload, budget):
         )
 
 
-def test_request_that_never_fits_fails_alone(default_llm):
-    engine = _engine(default_llm, num_blocks=4, block_size=16)  # 64 tokens in all
-    params = SamplingParams(max_tokens=4, temperature=0)
-    done = _run(engine, [[200] * 100, [300] * 10, [400] * 20], [params] * 3)
-    assert done[0].finish_reason == "error"
-    assert "64" in done[0].error and "101" in done[0].error
-    assert [done[i].finish_reason for i in (1, 2)] == ["length", "length"]
-    assert len(done[1].token_ids) == 4 and engine.kv.pool.num_used == 0
+def test_a_pool_smaller_than_the_context_refuses_what_it_can_never_hold(default_llm):
+    """64 tokens of pool cut the context to 64: a 100-token prompt is refused when added (with
+    nothing queued), the others run to their max_tokens or to the pool's end."""
+    engine = _engine(default_llm, num_blocks=4, block_size=16)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    with pytest.raises(ValueError, match="prompt is 100 tokens, but this model's context is 64"):
+        engine.add_request(None, params, prompt_token_ids=[200] * 100)
+    assert not engine.has_unfinished()
+    done = _run(engine, [[300] * 10, [400] * 30], [params] * 2)
+    assert [done[i].finish_reason for i in (0, 1)] == ["length", "length"]
+    assert len(done[0].token_ids) == 40 and len(done[1].token_ids) == 64 - 30
+    assert engine.kv.pool.num_used == 0
 
 
 def test_prompt_longer_than_context_is_refused(default_llm):

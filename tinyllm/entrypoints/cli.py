@@ -1,6 +1,7 @@
 """`tinyllm generate | chat | serve | bench`: the command line."""
 
 import argparse
+import contextlib
 import dataclasses
 import faulthandler
 import logging
@@ -238,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("tinyllm").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     # A fault in native code (a kernel's SIGSEGV, SIGFPE, SIGILL) cannot be caught; this at least
     # prints where each thread was, so the log shows what was running instead of nothing.
-    faulthandler.enable(all_threads=True)
+    with contextlib.suppress(ValueError):  # io.UnsupportedOperation: stderr is not a file
+        faulthandler.enable(all_threads=True)
     try:
         args.func(args)
     except KeyboardInterrupt:
