@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from tinyllm.engine.outputs import RequestOutput, TokenLogprob
 from tinyllm.entrypoints.server.engine_loop import EngineLoop
 from tinyllm.entrypoints.server.errors import APIError
-from tinyllm.entrypoints.server.protocol import Usage
+from tinyllm.entrypoints.server.protocol import PromptTokensDetails, Usage
 from tinyllm.entrypoints.server.sampling import Choice, Prompt
 
 log = logging.getLogger("tinyllm.server")
@@ -33,9 +33,11 @@ class ChoiceResult:
     num_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    num_cached_tokens: int = 0  # of its prompt, from the prefix cache
 
     def add(self, delta: RequestOutput) -> None:
         out = delta.outputs[0]
+        self.num_cached_tokens = delta.num_cached_tokens
         self.text += out.text
         self.num_tokens += len(out.token_ids)
         if out.logprobs is not None:
@@ -101,8 +103,14 @@ class Generation:
     def usage(self) -> Usage:
         prompt = sum(len(p.token_ids) for p in self.prompts)
         completion = sum(r.num_tokens for r in self.results.values())
+        # A prompt counts once, as in prompt_tokens: its first choice's cached tokens.
+        firsts = {id(c.prompt): self.results[c.index] for c in reversed(self.choices)}
+        cached = sum(r.num_cached_tokens for r in firsts.values())
         return Usage(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
 
     def close(self) -> None:
