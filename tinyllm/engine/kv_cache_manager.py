@@ -120,8 +120,9 @@ class KVCacheManager:
         request.num_registered_blocks = len(matched)
         if request.num_cached_tokens is None:  # the first admission, not a recompute
             request.num_cached_tokens = request.num_computed_tokens
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += request.num_computed_tokens
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += request.num_computed_tokens
 
     def cache_blocks(self, request: Request) -> None:
         """Register the request's blocks that its computed tokens have filled since last time."""
