@@ -201,27 +201,27 @@ def run_bench(args: argparse.Namespace) -> None:
     _phase(f"measuring the machine: fp32 GEMM rate and copy bandwidth ({device.type})")
     machine = measure_machine(device)
 
-    def run(llm: "LLM", name: str) -> Run:
-        nonlocal requests
+    def run(llm: "LLM", name: str) -> tuple[Run, list[Request]]:
+        """The run, and its requests as sent (a chat replay's turns with their histories)."""
         if turns == 1:
-            return run_tinyllm(llm, requests, name)
-        result, requests = run_chat_replay(llm, conversations, name)
-        return result
+            return run_tinyllm(llm, requests, name), requests
+        return run_chat_replay(llm, conversations, name)
 
     what = f"{len(conversations)} conversations" if turns > 1 else f"{len(requests)} requests"
     _phase(f"running tinyllm: {args.workload}, {what}, {threads(machine.threads)}")
-    runs = [run(llm, "tinyllm")]
+    first, sent = run(llm, "tinyllm")
+    runs = [first]
     if hf is not None:
         _phase(f"running the baseline: transformers, {threads(machine.threads)}")
         runs.append(run_transformers(hf, requests))
     elif baseline == "no-prefix-caching":
         _phase(f"running the baseline: tinyllm without prefix caching, {threads(machine.threads)}")
-        runs.append(run(without_prefix_caching(llm), "no-prefix-caching"))
+        runs.append(run(without_prefix_caching(llm), "no-prefix-caching")[0])
     result = OfflineResult(
         workload=args.workload,
         seed=args.seed,
         runs=runs,
-        flops=workload_flops(model, requests),
+        flops=workload_flops(model, sent),
         weight_bytes=weight_bytes_per_token(model),
         weights=describe_weights(model),
         machine=machine,
