@@ -40,7 +40,7 @@ def test_workloads_are_reproducible_and_in_range(name):
     w = WORKLOADS[name]
     a, b = make_requests(name, 49152, seed=3), make_requests(name, 49152, seed=3)
     assert a == b and a != make_requests(name, 49152, seed=4)
-    assert len(a) == w.num_requests
+    assert len(a) == w.num_requests * w.turns  # a chat replay: every turn's new tokens
     for r in a:
         own = len(r.prompt_token_ids) - w.shared_prefix
         assert w.prompt_len[0] <= own <= w.prompt_len[1]
@@ -175,3 +175,79 @@ def test_bench_reports_both_engines_in_table_json_and_plot(tmp_path):
     for phase, start in zip(phases, expected, strict=True):
         assert phase.startswith(f"bench: {start}"), phases
     assert imread(out_png).shape[:2] == PLOT_PIXELS
+
+
+def _tiny_llm(tiny, **config):
+    from types import SimpleNamespace
+
+    from tinyllm.engine.config import EngineConfig
+    from tinyllm.engine.engine import LLMEngine
+
+    model, tok = tiny
+    engine = LLMEngine(model, tok, EngineConfig(num_blocks=64, block_size=4, **config))
+    return SimpleNamespace(engine=engine, tokenizer=tok)
+
+
+def test_chat_replay_resends_each_history_and_times_every_turn(tiny):
+    from tinyllm.entrypoints.bench.offline import run_chat_replay, without_prefix_caching
+    from tinyllm.entrypoints.workloads import Request
+
+    conversations = [
+        [Request([10 + c, 11, 12, 13, 14], 4), Request([20, 21, 22], 4), Request([30, 31], 3)]
+        for c in range(2)
+    ]
+    llm = _tiny_llm(tiny)
+    run, sent = run_chat_replay(llm, conversations)
+    assert len(sent) == 6 and run.requests == 6 and run.output_tokens == 2 * (4 + 4 + 3)
+    for c in range(2):  # each turn: the previous prompt, its 4-token answer, the new tokens
+        turns = [r.prompt_token_ids for r in sent if r.prompt_token_ids[0] == 10 + c]
+        assert len(turns) == 3 and turns[0] == conversations[c][0].prompt_token_ids
+        assert len(turns[1]) == 5 + 4 + 3 and turns[1][:5] == turns[0]
+        assert turns[1][-3:] == [20, 21, 22] and turns[2][:12] == turns[1]
+    assert len(run.ttft_by_turn) == 3 and all(t > 0 for t in run.ttft_by_turn)
+    # A turn finds what the previous one computed, in whole blocks of 4: its prompt and its
+    # answer but the last token (sampled, never run): turn 2, 5 + 3 tokens -> 8 cached; turn 3,
+    # 12 + 3 -> 12.
+    hits = 2 * (8 + 12)
+    queried = 2 * (5 + 12 + 18)
+    assert run.hit_rate == pytest.approx(hits / queried)
+    off, _ = run_chat_replay(without_prefix_caching(llm), conversations, "no-prefix-caching")
+    assert off.hit_rate is None and off.ttft is not None and off.engine == "no-prefix-caching"
+
+
+def test_summary_and_json_show_ttft_hit_rate_and_ttft_by_turn():
+    res = _result()
+    on = dataclasses.replace(res.runs[0], ttft=0.05, hit_rate=0.8, ttft_by_turn=(0.1, 0.02))
+    off = Run("no-prefix-caching", 4, 600, 200, 20.0, ttft=0.5, hit_rate=None)
+    res = dataclasses.replace(res, runs=[on, off])
+    rows = {line.split()[0]: line.split() for line in summary(res).splitlines()}
+    assert rows["tinyllm"][-2:] == ["50", "80.0"] and rows["no-prefix-caching"][-2:] == ["500", "-"]
+    assert rows["tinyllm/no-prefix-caching"][1:] == ["2.00x", "2.00x", "1/10.00"]
+    assert "tinyllm: TTFT by turn, ms: 100 20" in summary(res)
+    t, b = to_json(res)["tinyllm"], to_json(res)["baseline"]
+    assert (t["ttft_s"], t["prefix_cache_hit_rate"]) == (0.05, 0.8)
+    assert t["ttft_by_turn_s"] == [0.1, 0.02]
+    assert (b["ttft_s"], b["prefix_cache_hit_rate"], b["ttft_by_turn_s"]) == (0.5, None, None)
+
+
+@pytest.mark.parametrize(
+    ("workload", "given", "chosen"),
+    [
+        ("shared-prefix", "auto", "no-prefix-caching"),
+        ("multi-turn", "auto", "no-prefix-caching"),
+        ("offline", "auto", "transformers"),
+        ("shared-prefix", "transformers", "transformers"),
+        ("offline", "none", "none"),
+    ],
+)
+def test_auto_baseline_is_caching_off_for_the_caching_workloads(workload, given, chosen):
+    from tinyllm.entrypoints.bench.offline import baseline_for
+
+    assert baseline_for(workload, given) == chosen
+
+
+def test_a_chat_replay_has_no_transformers_baseline():
+    from tinyllm.entrypoints.bench.offline import baseline_for
+
+    with pytest.raises(ValueError, match="--baseline transformers cannot replay multi-turn"):
+        baseline_for("multi-turn", "transformers")

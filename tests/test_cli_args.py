@@ -100,3 +100,20 @@ def test_a_long_prompt_shows_prefill_progress(tiny, monkeypatch, capsys, prompt_
         [bar] = _Bar.made
         assert bar.total == prompt_len and bar.closed
         assert bar.updates[:3] == [4, 8, 12] and bar.updates[-1] == prompt_len
+
+
+@pytest.mark.parametrize(
+    "command", [["generate", "Hi"], ["chat"], ["serve"], ["bench", "shared-prefix"]]
+)
+@pytest.mark.parametrize(
+    ("flag", "on"),
+    [([], True), (["--no-enable-prefix-caching"], False), (["--enable-prefix-caching"], True)],
+)
+def test_prefix_caching_flag_reaches_the_engine(monkeypatch, command, flag, on):
+    from tinyllm.entrypoints import args as args_module
+    from tinyllm.entrypoints import llm as llm_module
+
+    seen = {}
+    monkeypatch.setattr(llm_module, "LLM", lambda **kwargs: seen.update(kwargs))
+    args_module.build_llm(cli.build_parser().parse_args(command + flag))
+    assert seen["enable_prefix_caching"] is on

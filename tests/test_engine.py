@@ -125,11 +125,12 @@ def test_batched_equals_alone(default_llm, workload, alone, kv_cache, budget, pe
         assert engine.chunked_prompts > 0 and engine.mixed_steps > 0
 
 
-@pytest.mark.parametrize("budget", [512, 32])
-def test_preemption_reproduces_outputs(default_llm, workload, budget):
+@pytest.mark.parametrize(("budget", "caching"), [(512, True), (32, True), (512, False)])
+def test_preemption_reproduces_outputs(default_llm, workload, budget, caching):
     """12 blocks of 16 tokens: four 40-token prompts fit at first, and each grows to 88 tokens,
     so decode runs out of blocks again and again and the newest requests are recomputed. With
-    a budget of 32 tokens prompts are chunked, and some are preempted mid-prefill."""
+    a budget of 32 tokens prompts are chunked, and some are preempted mid-prefill. With prefix
+    caching a recomputed request first finds what is left of its own blocks."""
     prompts = [p[:40] for p in workload[0] if len(p) >= 40][:6]
     params = [SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, logprobs=5)] * 6
     ref = {
@@ -137,7 +138,12 @@ def test_preemption_reproduces_outputs(default_llm, workload, budget):
         for i, p in enumerate(prompts)
     }
     engine = _engine(
-        default_llm, num_blocks=12, block_size=16, max_num_seqs=8, max_num_batched_tokens=budget
+        default_llm,
+        num_blocks=12,
+        block_size=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=caching,
     )
     victims, lost = [], []
     preempt = engine.scheduler._preempt
@@ -152,7 +158,11 @@ def test_preemption_reproduces_outputs(default_llm, workload, budget):
     stats = engine.stats()
     assert stats.num_preemptions == len(victims) > 0
     assert "decode" in victims and ("prefill" in victims or budget > 40)
-    assert stats.recomputed_tokens == sum(lost)  # every token lost is computed again, once
+    # Every token lost is computed again, once, or found in the cache at readmission (hits
+    # beyond those of first admissions).
+    rehits = stats.prefix_cache_hits - sum(out.num_cached_tokens for out in done.values())
+    assert stats.recomputed_tokens + rehits == sum(lost)
+    assert (rehits > 0) is caching
     assert engine.kv.pool.num_used == 0 and engine.kv.pool.peak_used == 12
     for i, r in ref.items():
         assert len(done[i].token_ids) == 48

@@ -1,7 +1,8 @@
 """BlockPool and KVCacheManager: the CPU bookkeeping of which KV blocks each request owns.
 
 The founding design's invariants (../shared/seed/paged_kv_cache.py): blocks of one size from one
-pool, lowest id first, LIFO reuse, a double free is an error, `peak_used`, blocks allocated as a
+pool, lowest id first, LIFO reuse of blocks without cached content (cached ones wait in eviction
+order: tests/test_prefix_cache.py), a double free is an error, `peak_used`, blocks allocated as a
 request grows, and accounting that adds up. No model and no tensors here."""
 
 import math
@@ -10,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinyllm.engine.kv_cache_manager import BlockPool, KVCacheManager
+from tinyllm.engine.block_pool import BlockPool
+from tinyllm.engine.kv_cache_manager import KVCacheManager
 from tinyllm.engine.request import Request
 from tinyllm.engine.sampling_params import SamplingParams
 
@@ -44,8 +46,8 @@ def test_pool_reuses_freed_blocks_last_in_first_out():
     pool.free([3])
     assert pool.allocate(1) == [3]  # the last freed comes back first
     assert pool.allocate(1) == [1]
-    pool.free([0, 4])  # within one call: 0 goes on the stack first, then 4
-    assert pool.allocate(2) == [4, 0]
+    pool.free([0, 4])  # one request's blocks: its deepest (4) goes on the stack first, then 0
+    assert pool.allocate(2) == [0, 4]
 
 
 def test_pool_prefers_a_freed_block_to_a_never_used_one():

@@ -284,6 +284,28 @@ def test_counters_move_by_a_requests_tokens(client, base_url):
     assert after["tinyllm_kv_blocks_used"] == 0 and after["tinyllm_num_requests_running"] == 0
 
 
+def test_prefix_cache_hits_show_in_usage_and_metrics_and_reset_forgets_them(client, base_url):
+    prompt = "You are a helpful assistant who answers questions about the sea. " * 4
+    ask = dict(model=client.model, prompt=prompt, max_tokens=2, temperature=0)
+    first = client.completions.create(**ask)
+    before = metrics(base_url)
+    again = client.completions.create(**ask)
+    after = metrics(base_url)
+    n = again.usage.prompt_tokens
+    hit = (n - 2) // 16 * 16  # whole blocks, the last two tokens computed (KVCacheManager.match)
+    assert hit > 0 and again.usage.prompt_tokens_details.cached_tokens == hit
+    assert again.choices[0].text == first.choices[0].text
+    queries, hits = "tinyllm_prefix_cache_queries_total", "tinyllm_prefix_cache_hits_total"
+    assert after[queries] - before[queries] == n
+    assert after[hits] - before[hits] == hit
+    prompt_run = "tinyllm_prompt_tokens_total"
+    assert after[prompt_run] - before[prompt_run] == n - hit  # only the uncached ones ran
+    reset = httpx.post(f"{base_url}/reset_prefix_cache")
+    assert reset.status_code == 200 and reset.json()["num_blocks_forgotten"] >= hit // 16
+    cold = client.completions.create(**ask)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+
+
 def _wait_idle(base_url: str, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while metrics(base_url)["tinyllm_kv_blocks_used"] != 0:

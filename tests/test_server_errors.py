@@ -259,7 +259,10 @@ def test_api_key_required(base_url, headers):
     assert_error(r, 401)
     assert_error(httpx.get(f"{base_url}/v1/models", headers=headers), 401)
     assert_error(httpx.get(f"{base_url}/metrics", headers=headers), 401)
+    assert_error(httpx.post(f"{base_url}/reset_prefix_cache", headers=headers), 401)
     assert httpx.get(f"{base_url}/health").status_code == 200  # probes need no key
+    reset = httpx.post(f"{base_url}/reset_prefix_cache", headers=AUTH)
+    assert reset.status_code == 200 and reset.json()["num_blocks_forgotten"] >= 0
     good_request_succeeds(base_url)
 
 

@@ -24,6 +24,7 @@ from tinyllm.engine.scheduler import Scheduler
 from tinyllm.engine.validation import check_token_ids
 from tinyllm.model.attention import get_backend
 from tinyllm.model.llama import Transformer
+from tinyllm.model.quant import describe_weights
 from tinyllm.text.tokenizer import Tokenizer
 
 log = logging.getLogger("tinyllm")
@@ -40,6 +41,8 @@ class EngineStats:
     recomputed_tokens: int  # prefill work redone for preempted requests
     prompt_tokens: int
     generation_tokens: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int  # of those, tokens found cached (not computed)
 
 
 def build_kv_cache_manager(model: Transformer, cfg: EngineConfig, max_len: int) -> KVCacheManager:
@@ -97,7 +100,13 @@ def build_kv_cache_manager(model: Transformer, cfg: EngineConfig, max_len: int) 
             max_len,
             tokens,
         )
-    return KVCacheManager(num_blocks, block_size)
+    caching = cfg.enable_prefix_caching and cfg.kv_cache == "paged"
+    return KVCacheManager(num_blocks, block_size, caching, extra_key=cache_key(model))
+
+
+def cache_key(model: Transformer) -> str:
+    """What besides its tokens sets a block's K/V: the architecture, weight format and dtype."""
+    return f"{model.config!r} {describe_weights(model)}"
 
 
 class LLMEngine:
@@ -221,7 +230,13 @@ class LLMEngine:
             recomputed_tokens=self.recomputed_tokens,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
         )
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block, e.g. after changing the weights; how many."""
+        return self.kv.reset_prefix_cache()
 
     # -- one step -------------------------------------------------------------
 
@@ -260,7 +275,14 @@ class LLMEngine:
         for request, token, logprob in sampled:
             request.append_token(token, self.max_model_len)
             reason = request.finish_reason
-            update = TokenUpdate(request.request_id, token, logprob, reason, request.stop_reason)
+            update = TokenUpdate(
+                request.request_id,
+                token,
+                logprob,
+                reason,
+                request.stop_reason,
+                num_cached_tokens=request.num_cached_tokens,
+            )
             updates.append(update)
             if reason is not None:
                 done.append(request)

@@ -1,69 +1,46 @@
-"""Which KV blocks each request owns: a block pool and the manager that hands blocks out.
+"""Which KV blocks each request owns, and the prefix cache that lets requests share them.
 
 The analogy is virtual memory (the founding design, seed/paged_kv_cache.py):
     block table = page table (a request's `block_ids`: logical block j -> physical block)
     block       = page (block_size tokens of K and V, every layer)
     token t     = (block_ids[t // block_size], t % block_size)
 
-All blocks are one size from one pool, so a freed block fits any request: no external
-fragmentation, at most block_size - 1 unused slots per request. Blocks are allocated as a
-request grows, only for tokens that run. This is CPU bookkeeping only; the model runner owns
+All blocks are one size from one pool (block_pool.py), so a freed block fits any request: no
+external fragmentation, at most block_size - 1 unused slots per request. Blocks are allocated as
+a request grows, only for tokens that run. This is CPU bookkeeping only; the model runner owns
 the tensors. The slot cache, the baseline, is the same manager with one block of
-max_model_len tokens per request.
+max_model_len tokens per request (and no prefix cache).
+
+Prefix caching: a full block is identified by a chained key, (its parent's hash, its token ids,
+the extra key: whatever else changes its K/V). Once a request has computed a full block, prompt
+or output tokens alike, the block is registered under its key. A new request's tokens are
+matched block by block against those keys at admission: matched blocks are shared (reference
+counted, read-only) and its prefill starts at the first unmatched token. The match never
+covers the last two tokens (`match` says why), so at least the last token, whose logits are
+needed, is computed, and the request only ever writes into blocks of its own that are not yet
+full.
 """
 
 import math
-from collections import Counter
 
+from tinyllm.engine.block_pool import BlockPool, block_key
 from tinyllm.engine.request import Request
 
 
-class BlockPool:
-    """Blocks with reference counts and a free list. Lowest ids are handed out first, freed
-    blocks are reused last-in first-out. A block is free when its count drops to 0; counts
-    above 1 are for sharing (prefix caching)."""
-
-    def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() gives block 0 first
-        self.ref_cnt = [0] * num_blocks
-        self.peak_used = 0
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise ValueError(
-                f"asked for {n} KV blocks, {len(self._free)} of {self.num_blocks} free"
-            )
-        blocks = [self._free.pop() for _ in range(n)]
-        for b in blocks:
-            self.ref_cnt[b] = 1
-        self.peak_used = max(self.peak_used, self.num_used)
-        return blocks
-
-    def free(self, blocks: list[int]) -> None:
-        for b, n in Counter(blocks).items():  # check all first: a bad list frees nothing
-            if not 0 <= b < self.num_blocks:
-                raise ValueError(f"block {b} is not in the pool of {self.num_blocks}")
-            if self.ref_cnt[b] < n:
-                raise ValueError(f"block {b} freed twice (or never allocated)")
-        for b in blocks:
-            self.ref_cnt[b] -= 1
-            if self.ref_cnt[b] == 0:
-                self._free.append(b)
-
-
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int):
-        self.pool = BlockPool(num_blocks)
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        extra_key: object = None,
+    ):
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.extra_key = extra_key
+        self.prefix_cache_queries = 0  # tokens looked up at admission
+        self.prefix_cache_hits = 0  # of those, tokens found cached
 
     @property
     def num_blocks(self) -> int:
@@ -88,6 +65,7 @@ class KVCacheManager:
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Grow the request's blocks to hold its computed tokens plus `num_new_tokens`.
         False, with nothing allocated, if the pool is short."""
+        self.cache_blocks(request)  # what its last step filled, before it grows
         total = request.num_computed_tokens + num_new_tokens
         if not self.can_hold(request, total):
             return False
@@ -97,5 +75,75 @@ class KVCacheManager:
         return True
 
     def free(self, request: Request) -> None:
+        self.cache_blocks(request)  # what its last step filled, before the blocks go
         self.pool.free(request.block_ids)
         request.block_ids = []
+
+    # -- prefix cache ---------------------------------------------------------------------
+
+    def match(self, request: Request) -> list[int]:
+        """The cached blocks that hold the start of a request's tokens, in order. Looks only:
+        nothing is held until `admit`.
+
+        The last token is always computed (its logits are needed), and so is the one before
+        it: a row of one new token runs the attention kernels' decode path, which sums in
+        another order than the prefill path, so a hit that left one token would change the
+        last bits of its logits. Two or more new tokens run the prefill path, whose every
+        query is computed as in a whole-prompt prefill: a hit changes no bit (on the default
+        CPU path; tests/test_prefix_cache.py). It costs one block's hit in 1 of block_size
+        prompt lengths."""
+        if not self.enable_prefix_caching:
+            return []
+        limit = max(0, request.num_tokens - 2) // self.block_size
+        self._extend_keys(request, limit)
+        blocks = []
+        for key in request.block_keys[:limit]:
+            b = self.pool.lookup(key)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks
+
+    def can_admit(self, request: Request, matched: list[int], num_tokens: int) -> bool:
+        """Would there be free blocks for a waiting request to hold `num_tokens` tokens, its
+        `matched` blocks shared? Matched blocks no one holds count as taken (they leave the
+        eviction queue)."""
+        taken = sum(1 for b in matched if self.pool.is_evictable(b))
+        need = self.blocks_for(num_tokens) - len(matched)
+        return need <= self.pool.num_free - taken
+
+    def admit(self, request: Request, matched: list[int]) -> None:
+        """Hold a waiting request's matched blocks; it starts after the tokens they hold."""
+        self.pool.touch(matched)
+        request.block_ids = list(matched)
+        request.num_computed_tokens = len(matched) * self.block_size
+        request.num_registered_blocks = len(matched)
+        if request.num_cached_tokens is None:  # the first admission, not a recompute
+            request.num_cached_tokens = request.num_computed_tokens
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += request.num_computed_tokens
+
+    def cache_blocks(self, request: Request) -> None:
+        """Register the request's blocks that its computed tokens have filled since last time."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        self._extend_keys(request, full)
+        for j in range(request.num_registered_blocks, full):
+            self.pool.cache(request.block_ids[j], request.block_keys[j])
+        request.num_registered_blocks = max(request.num_registered_blocks, full)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (held blocks stay with their requests); how many."""
+        return self.pool.reset_cache()
+
+    def _extend_keys(self, request: Request, num_blocks: int) -> None:
+        """Key the request's first `num_blocks` full blocks (keys depend on tokens only, so
+        they are computed once and survive a preemption)."""
+        keys, bs = request.block_keys, self.block_size
+        while len(keys) < num_blocks:
+            j = len(keys)
+            parent = hash(keys[-1]) if keys else None
+            tokens = request.all_token_ids[j * bs : (j + 1) * bs]
+            keys.append(block_key(parent, tokens, self.extra_key))

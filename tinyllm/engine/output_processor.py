@@ -28,6 +28,7 @@ class TokenUpdate:
     finish_reason: str | None
     stop_reason: str | int | None = None
     error: str | None = None
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache held (once admitted)
 
 
 class _RequestState:
@@ -52,6 +53,7 @@ class _RequestState:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None
+        self.num_cached_tokens = 0
 
     def add(self, token: int, logprob: TokenLogprob | None) -> bool:
         """Take a token; True if a stop string ended the request."""
@@ -128,6 +130,7 @@ class _RequestState:
             outputs=[completion],
             finished=self.finished,
             error=self.error,
+            num_cached_tokens=self.num_cached_tokens,
         )
 
 
@@ -153,6 +156,8 @@ class OutputProcessor:
         outputs, stopped = [], []
         for u in updates:
             state = self._states[u.request_id]
+            if u.num_cached_tokens is not None:
+                state.num_cached_tokens = u.num_cached_tokens
             if u.token is not None and state.add(u.token, u.logprob):
                 stopped.append(u.request_id)
             elif u.finish_reason is not None:

@@ -30,6 +30,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     error: str | None = None  # why a request that could never run was refused
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
     @property
     def text(self) -> str:

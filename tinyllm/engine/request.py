@@ -4,6 +4,7 @@ import enum
 
 import torch
 
+from tinyllm.engine.block_pool import BlockKey
 from tinyllm.engine.sampling_params import SamplingParams
 
 
@@ -15,8 +16,9 @@ class RequestStatus(enum.Enum):
 
 class Request:
     """Prompt and generated ids in one list; `num_computed_tokens` of them have K/V in the
-    cache. Each step runs some of the rest: a chunk of the prompt, or the last sampled token.
-    Preemption frees the blocks and sets `num_computed_tokens` back to 0 (recompute)."""
+    cache. Admission starts it after the tokens the prefix cache holds; each step runs some of
+    the rest: a chunk of the prompt, or the last sampled token. Preemption frees the blocks and
+    sets `num_computed_tokens` back to 0 (recompute, from whatever the cache still holds)."""
 
     def __init__(
         self,
@@ -35,6 +37,11 @@ class Request:
         self.num_computed_tokens = 0
         self.num_ever_computed = 0  # high-water mark: what a recompute does again
         self.block_ids: list[int] = []
+        # Prefix cache: its full blocks' keys (they depend on its tokens only), how many of its
+        # blocks are registered, and how many prompt tokens its first admission found cached.
+        self.block_keys: list[BlockKey] = []
+        self.num_registered_blocks = 0
+        self.num_cached_tokens: int | None = None
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         self.finish_reason: str | None = None

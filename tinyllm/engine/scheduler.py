@@ -2,10 +2,13 @@
 
 Each step: running requests first, oldest first, each its next token (a decode) or the next
 chunk of a prompt still being prefilled; then waiting requests, oldest first, while the budget,
-`max_num_seqs` and free blocks allow, the last one's prompt chunked to fit what is left. Every
-block is allocated here, before the forward pass. When a running request cannot get a block,
-the newest running request is preempted: its blocks are freed, `num_computed_tokens` goes back
-to 0 and it waits at the front of the queue to be recomputed (the founding design's policy).
+`max_num_seqs` and free blocks allow, the last one's prompt chunked to fit what is left. A
+waiting request first matches the prefix cache: it shares the matched blocks and starts after
+them. Every block is allocated here, before the forward pass. When a running request cannot
+get a block, the newest running request is preempted: its blocks are freed,
+`num_computed_tokens` goes back to 0 and it waits at the front of the queue to be recomputed
+(the founding design's policy), matching the cache again when it is readmitted (its own full
+blocks may still be there).
 """
 
 from collections import deque
@@ -66,11 +69,15 @@ class Scheduler:
             if not self.kv.fits_ever(request.num_tokens + 1):
                 out.rejected.append(self.waiting.popleft())
                 continue
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            # It starts after what the prefix cache holds (nothing when caching is off).
+            matched = self.kv.match(request)
+            start = len(matched) * self.kv.block_size
+            n = min(request.num_tokens - start, budget)
             # Room for the chunk and one token more (the first decode token once the prompt
             # is done), so an admitted request is not preempted by its own next step.
-            if not self.kv.can_hold(request, request.num_computed_tokens + n + 1):
+            if not self.kv.can_admit(request, matched, start + n + 1):
                 break
+            self.kv.admit(request, matched)
             self.kv.allocate(request, n)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING

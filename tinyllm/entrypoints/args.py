@@ -71,6 +71,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "prompt is prefilled in chunks",
     )
     p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share the KV blocks of repeated prompt prefixes (system prompts, chat histories) "
+        "between requests instead of recomputing them",
+    )
+    p.add_argument(
         "--attention-backend",
         default="auto",
         choices=["auto", "reference", "cpu", "cuda"],
@@ -110,6 +117,7 @@ def build_llm(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
         attention_backend=args.attention_backend,
     )
 

@@ -112,6 +112,10 @@ class LLM:
         `dataclasses.replace(llm.get_default_sampling_params(), temperature=0.7)`."""
         return SamplingParams(**self.default_sampling)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt block (vLLM's name); how many were cached."""
+        return self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: str | list[int] | list[str | list[int]],

@@ -15,12 +15,21 @@ class Workload:
     prompt_len: tuple[int, int]  # inclusive range of each request's own prompt tokens
     output_len: tuple[int, int]  # inclusive range of generated tokens (EOS ignored)
     shared_prefix: int = 0  # tokens every prompt starts with
+    # > 1: a chat replay. num_requests conversations of this many turns; a turn's prompt is the
+    # conversation so far (every earlier prompt and answer) plus its own new tokens, so it
+    # can only be sent once the previous turn's answer is in.
+    turns: int = 1
 
     def summary(self) -> str:
         def length(lo: int, hi: int) -> str:
             return str(lo) if lo == hi else f"U[{lo}, {hi}]"
 
         n = self.num_requests
+        if self.turns > 1:
+            return (
+                f"{n} conversations x {self.turns} turns, each resending its history plus "
+                f"{length(*self.prompt_len)} new tokens, output {length(*self.output_len)}"
+            )
         prefix = f"{self.shared_prefix} shared + " if self.shared_prefix else ""
         return (
             f"{n} request{'s' if n > 1 else ''}, prompt {prefix}{length(*self.prompt_len)} "
@@ -39,10 +48,11 @@ WORKLOADS = {
     "offline-small": Workload(16, (32, 256), (16, 128)),
     "shared-prefix": Workload(64, (16, 64), (16, 64), shared_prefix=512),
     "single": Workload(1, (128, 128), (256, 256)),
+    "multi-turn": Workload(8, (32, 64), (32, 32), turns=10),
     "serve": Workload(200, (32, 512), (16, 256)),
 }
 # Run in-process by `tinyllm bench NAME`; `serve` is sent to a server by `tinyllm bench serve`.
-OFFLINE_WORKLOADS = ("offline", "offline-small", "shared-prefix", "single")
+OFFLINE_WORKLOADS = ("offline", "offline-small", "shared-prefix", "single", "multi-turn")
 
 
 def check_workload(name: str, num_requests: int | None = None) -> None:
@@ -55,7 +65,9 @@ def check_workload(name: str, num_requests: int | None = None) -> None:
 def make_requests(
     name: str, vocab_size: int, seed: int = 0, num_requests: int | None = None
 ) -> list[Request]:
-    """The workload's requests; `num_requests` keeps the first n of them (a scaled-down run)."""
+    """The workload's requests; `num_requests` keeps the first n of them (a scaled-down run).
+    A chat replay's are its turns' new tokens, conversation after conversation, and
+    `num_requests` keeps the first n conversations."""
     check_workload(name, num_requests)
     w = WORKLOADS[name]
     rng = random.Random(seed)
@@ -65,7 +77,7 @@ def make_requests(
 
     prefix = tokens(w.shared_prefix)
     requests = []
-    for _ in range(w.num_requests):
+    for _ in range(w.num_requests * w.turns):
         n_prompt, n_out = rng.randint(*w.prompt_len), rng.randint(*w.output_len)
         requests.append(Request(prefix + tokens(n_prompt), n_out))
-    return requests[:num_requests]
+    return requests[: None if num_requests is None else num_requests * w.turns]

@@ -39,9 +39,11 @@ def _output_path(value: str) -> Path:
 def _offline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--baseline",
-        default="transformers",
-        choices=["transformers", "none"],
-        help="measured in the same run: HF transformers, fp32, static batches of 16",
+        default="auto",
+        choices=["auto", "transformers", "no-prefix-caching", "none"],
+        help="measured in the same run: HF transformers (fp32, static batches of 16), or "
+        "tinyllm with prefix caching off; auto: the latter for shared-prefix and multi-turn, "
+        "else transformers",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument(

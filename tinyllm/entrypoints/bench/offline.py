@@ -8,12 +8,18 @@ pool whose threads wait for each other at every op is then many times slower (do
 """
 
 import argparse
+import copy
+import dataclasses
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
+from tinyllm.engine.engine import LLMEngine
+from tinyllm.engine.outputs import RequestOutput
 from tinyllm.engine.sampling_params import SamplingParams
 from tinyllm.entrypoints.args import build_llm, engine_options
 from tinyllm.entrypoints.bench.baseline import load_transformers, run_transformers
@@ -27,7 +33,7 @@ from tinyllm.entrypoints.bench.report import (
     threads,
     write_json,
 )
-from tinyllm.entrypoints.workloads import Request, check_workload, make_requests
+from tinyllm.entrypoints.workloads import WORKLOADS, Request, check_workload, make_requests
 from tinyllm.model.llama import Transformer
 from tinyllm.model.quant import describe_weights
 
@@ -63,20 +69,93 @@ def weight_bytes_per_token(model: Transformer) -> int:
     return total
 
 
-def run_tinyllm(llm: "LLM", requests: list[Request]) -> Run:
-    params = [
-        SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in requests
-    ]
-    prompts = [r.prompt_token_ids for r in requests]
-    warmup = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
-    llm.generate([prompts[0]], [warmup], use_tqdm=False)
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+class EngineRun:
+    """Drives an engine to the end, noting each request's time to first token and the prefix
+    cache's hits. The warm-up leaves the cache empty, so every run starts cold."""
+
+    def __init__(self, engine: "LLMEngine", warmup: Request) -> None:
+        self.engine = engine
+        engine.add_request(warmup.prompt_token_ids, _greedy(2), "warmup")
+        while engine.has_unfinished():
+            engine.step()
+        engine.reset_prefix_cache()
+        self._stats = engine.stats()
+        self.submitted: dict[str, float] = {}
+        self.ttft: dict[str, float] = {}
+
+    def add(self, request_id: str, request: Request) -> None:
+        self.engine.add_request(request.prompt_token_ids, _greedy(request.max_tokens), request_id)
+        self.submitted[request_id] = time.perf_counter()
+
+    def run(self, on_finished: Callable[[RequestOutput], None] = lambda out: None) -> None:
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.request_id not in self.ttft and out.token_ids:
+                    self.ttft[out.request_id] = time.perf_counter() - self.submitted[out.request_id]
+                if out.finished:
+                    on_finished(out)
+
+    @property
+    def hit_rate(self) -> float | None:
+        now, then = self.engine.stats(), self._stats
+        queried = now.prefix_cache_queries - then.prefix_cache_queries
+        return (now.prefix_cache_hits - then.prefix_cache_hits) / queried if queried else None
+
+
+def run_tinyllm(llm: "LLM", requests: list[Request], name: str = "tinyllm") -> Run:
+    bench = EngineRun(llm.engine, requests[0])
     t = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    for i, r in enumerate(requests):
+        bench.add(str(i), r)
+    made = {}
+    bench.run(lambda out: made.__setitem__(out.request_id, len(out.token_ids)))
     seconds = time.perf_counter() - t
-    for r, o in zip(requests, outs, strict=True):
-        if len(o.token_ids) != r.max_tokens:
-            raise RuntimeError(f"tinyllm made {len(o.token_ids)} tokens, asked {r.max_tokens}")
-    return measured("tinyllm", requests, seconds)
+    for i, r in enumerate(requests):
+        if made[str(i)] != r.max_tokens:
+            raise RuntimeError(f"tinyllm made {made[str(i)]} tokens, asked {r.max_tokens}")
+    ttft = statistics.fmean(bench.ttft.values())
+    return measured(name, requests, seconds, ttft=ttft, hit_rate=bench.hit_rate)
+
+
+def run_chat_replay(
+    llm: "LLM", conversations: list[list[Request]], name: str = "tinyllm"
+) -> tuple[Run, list[Request]]:
+    """Every conversation's turns in order, all conversations at once: a turn is sent when the
+    previous one's answer is in, its prompt the conversation so far plus its new tokens. Returns
+    the run and the requests as sent (whole prompts), for the token and FLOP counts."""
+    bench = EngineRun(llm.engine, conversations[0][0])
+    sent: list[Request] = []
+    history = [[] for _ in conversations]
+
+    def send(c: int, turn: int) -> None:
+        new = conversations[c][turn]
+        request = Request(history[c] + new.prompt_token_ids, new.max_tokens)
+        sent.append(request)
+        bench.add(f"{c}-{turn}", request)
+
+    def on_finished(out: RequestOutput) -> None:
+        c, turn = map(int, out.request_id.split("-"))
+        history[c] = list(out.prompt_token_ids) + list(out.token_ids)
+        if turn + 1 < len(conversations[c]):
+            send(c, turn + 1)
+
+    t = time.perf_counter()
+    for c in range(len(conversations)):
+        send(c, 0)
+    bench.run(on_finished)
+    seconds = time.perf_counter() - t
+    turns = len(conversations[0])
+    by_turn = tuple(
+        statistics.fmean(bench.ttft[f"{c}-{turn}"] for c in range(len(conversations)))
+        for turn in range(turns)
+    )
+    ttft = statistics.fmean(bench.ttft.values())
+    run = measured(name, sent, seconds, ttft=ttft, hit_rate=bench.hit_rate, ttft_by_turn=by_turn)
+    return run, sent
 
 
 def _phase(message: str) -> None:
@@ -84,31 +163,65 @@ def _phase(message: str) -> None:
     print(f"bench: {message}", file=sys.stderr, flush=True)
 
 
+def without_prefix_caching(llm: "LLM") -> "LLM":
+    """The same model behind a fresh engine with prefix caching off (the old one's KV memory
+    is let go first: two pools of the default 2 GiB need not fit at once)."""
+    other = copy.copy(llm)
+    config = dataclasses.replace(llm.engine.config, enable_prefix_caching=False)
+    model, llm.engine = llm.engine.model, None
+    other.engine = LLMEngine(model, llm.tokenizer, config)
+    return other
+
+
+def baseline_for(workload: str, baseline: str) -> str:
+    """--baseline auto: tinyllm without prefix caching where the workload is about the cache,
+    else transformers. A chat replay has no transformers baseline."""
+    about_cache = workload in ("shared-prefix", "multi-turn")
+    if baseline == "auto":
+        return "no-prefix-caching" if about_cache else "transformers"
+    if baseline == "transformers" and WORKLOADS[workload].turns > 1:
+        raise ValueError(f"--baseline transformers cannot replay {workload}'s chats: use auto")
+    return baseline
+
+
 def run_bench(args: argparse.Namespace) -> None:
     check_workload(args.workload, args.num_requests)  # before a minute of model loading
+    baseline = baseline_for(args.workload, args.baseline)
     _phase(f"loading tinyllm ({args.model or 'the default model'})")
     llm = build_llm(args)
     model = llm.engine.model
     device = model.device
     hf = None
-    if args.baseline != "none":
+    if baseline == "transformers":
         _phase("loading the transformers baseline (same weights, fp32)")
         hf = load_transformers(args.model, device)
     requests = make_requests(args.workload, model.config.vocab_size, args.seed, args.num_requests)
+    turns = WORKLOADS[args.workload].turns
+    conversations = [requests[i : i + turns] for i in range(0, len(requests), turns)]
     _phase(f"measuring the machine: fp32 GEMM rate and copy bandwidth ({device.type})")
     machine = measure_machine(device)
-    _phase(
-        f"running tinyllm: {args.workload}, {len(requests)} requests, {threads(machine.threads)}"
-    )
-    runs = [run_tinyllm(llm, requests)]
+
+    def run(llm: "LLM", name: str) -> tuple[Run, list[Request]]:
+        """The run, and its requests as sent (a chat replay's turns with their histories)."""
+        if turns == 1:
+            return run_tinyllm(llm, requests, name), requests
+        return run_chat_replay(llm, conversations, name)
+
+    what = f"{len(conversations)} conversations" if turns > 1 else f"{len(requests)} requests"
+    _phase(f"running tinyllm: {args.workload}, {what}, {threads(machine.threads)}")
+    first, sent = run(llm, "tinyllm")
+    runs = [first]
     if hf is not None:
         _phase(f"running the baseline: transformers, {threads(machine.threads)}")
         runs.append(run_transformers(hf, requests))
+    elif baseline == "no-prefix-caching":
+        _phase(f"running the baseline: tinyllm without prefix caching, {threads(machine.threads)}")
+        runs.append(run(without_prefix_caching(llm), "no-prefix-caching")[0])
     result = OfflineResult(
         workload=args.workload,
         seed=args.seed,
         runs=runs,
-        flops=workload_flops(model, requests),
+        flops=workload_flops(model, sent),
         weight_bytes=weight_bytes_per_token(model),
         weights=describe_weights(model),
         machine=machine,

@@ -18,6 +18,10 @@ class Run:
     prompt_tokens: int
     output_tokens: int
     seconds: float
+    # Measured where the engine reports them (tinyllm's runs, not the transformers baseline):
+    ttft: float | None = None  # mean seconds from a request's submission to its first token
+    hit_rate: float | None = None  # prefix cache: hit / queried prompt tokens
+    ttft_by_turn: tuple[float, ...] | None = None  # a chat replay's mean TTFT at each turn
 
     @property
     def output_rate(self) -> float:
@@ -36,11 +40,12 @@ def threads(n: int) -> str:
     return f"{n} thread" + ("s" if n != 1 else "")
 
 
-def measured(engine: str, requests: list[Request], seconds: float) -> Run:
-    """A run that made every request's max_tokens (both engines ignore EOS)."""
+def measured(engine: str, requests: list[Request], seconds: float, **latency) -> Run:
+    """A run that made every request's max_tokens (both engines ignore EOS); `latency`: the
+    Run's TTFT and hit-rate fields, where measured."""
     prompt = sum(len(r.prompt_token_ids) for r in requests)
     output = sum(r.max_tokens for r in requests)
-    return Run(engine, len(requests), prompt, output, seconds)
+    return Run(engine, len(requests), prompt, output, seconds, **latency)
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,11 @@ _COLUMNS = ["engine", "requests", "out tok", "wall s", "out tok/s", "total tok/s
 
 
 def _row(cells: list[str]) -> str:
-    return f"{cells[0]:<22}" + "".join(f"{c:>12}" for c in cells[1:])
+    return f"{cells[0]:<26}" + "".join(f"{c:>12}" for c in cells[1:])
+
+
+def _maybe(value: float | None, scale: float, fmt: str) -> str:
+    return "-" if value is None else format(scale * value, fmt)
 
 
 def summary(res: OfflineResult) -> str:
@@ -88,17 +97,24 @@ def summary(res: OfflineResult) -> str:
         f"fp32 GEMM {m.gemm_flops / 1e9:.1f} GFLOP/s, copy {m.copy_bandwidth / 1e9:.1f} GB/s",
         f"tinyllm: {res.weights}, {res.weight_bytes / 2**20:.0f} MiB of weights read per "
         f"decode step: at the copy bandwidth, at most {res.bandwidth_bound:.0f} steps/s",
-        _row(_COLUMNS + ["% peak"]),
+        _row(_COLUMNS + ["% peak", "TTFT ms", "hit %"]),
     ]
     for r in res.runs:
         rate = res.flops / r.seconds
         cells = [r.engine, str(r.requests), str(r.output_tokens), f"{r.seconds:.1f}"]
         cells += [f"{r.output_rate:.1f}", f"{r.total_rate:.1f}", f"{rate / 1e9:.1f}"]
-        lines.append(_row(cells + [f"{100 * rate / m.gemm_flops:.1f}%"]))
+        cells += [f"{100 * rate / m.gemm_flops:.1f}%", _maybe(r.ttft, 1e3, ".0f")]
+        lines.append(_row(cells + [_maybe(r.hit_rate, 100, ".1f")]))
     if res.ratios is not None:
         a, b = res.runs
         cells = [f"{a.engine}/{b.engine}", "", "", ""] + [f"{x:.2f}x" for x in res.ratios]
+        if a.ttft and b.ttft:  # how many times lower
+            cells += ["", "", f"1/{b.ttft / a.ttft:.2f}"]
         lines.append(_row(cells))
+    for r in res.runs:
+        if r.ttft_by_turn:
+            turns = " ".join(f"{1e3 * t:.0f}" for t in r.ttft_by_turn)
+            lines.append(f"{r.engine}: TTFT by turn, ms: {turns}")
     if first.requests == 1:  # one stream: each output token is a decode step
         lines.append(
             f"single stream: tinyllm {first.output_rate:.1f} tok/s, "
@@ -120,6 +136,9 @@ def _run_json(r: Run, res: OfflineResult) -> dict:
         "requests_per_s": r.request_rate,
         "gflops": achieved / 1e9,
         "fraction_of_gemm_peak": achieved / res.machine.gemm_flops,
+        "ttft_s": r.ttft,
+        "prefix_cache_hit_rate": r.hit_rate,
+        "ttft_by_turn_s": list(r.ttft_by_turn) if r.ttft_by_turn else None,
     }
 
 

@@ -89,6 +89,11 @@ def create_app(
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict:
+        """Forget every cached prompt block (behind the API key, as vLLM's route)."""
+        return {"num_blocks_forgotten": await engine_loop.reset_prefix_cache()}
+
     @app.get("/v1/models")
     async def models() -> ModelList:
         card = ModelCard(id=llm.model_name, created=started, max_model_len=engine.max_model_len)

@@ -7,6 +7,7 @@ gets an error instead of hanging, and later requests are refused.
 """
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -106,6 +107,16 @@ class EngineLoop:
         for request_id in request_ids:
             self._commands.put(("abort", request_id))
 
+    async def reset_prefix_cache(self) -> int:
+        """Forget the engine's cached prefix blocks, on the engine thread; how many."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        with self._lock:
+            if self.error is not None:
+                raise EngineDeadError(self.error)
+            self._commands.put(("reset_prefix_cache", loop, done))
+        return await done
+
     # -- the engine thread ------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -155,6 +166,8 @@ class EngineLoop:
                     self._add(request_id, token_ids, params, stream, arrival)
                 case ("abort", request_id):
                     self._abort(request_id)
+                case ("reset_prefix_cache", loop, done):
+                    _settle(loop, done, self.engine.reset_prefix_cache())
                 case ("stop",):
                     running = False
         return running
@@ -211,5 +224,22 @@ class EngineLoop:
             command = self._commands.get_nowait()
             if command[0] == "add":
                 streams.add(command[4])
+            elif command[0] == "reset_prefix_cache":
+                _settle(command[1], command[2], EngineDeadError(why))
         for stream in streams:
             stream.put(EngineDeadError(why))
+
+
+def _settle(loop: asyncio.AbstractEventLoop, done: asyncio.Future, result: object) -> None:
+    """Hand a command's result (or exception) to the handler awaiting it on its event loop."""
+
+    def settle() -> None:
+        if done.cancelled():  # the client went away
+            return
+        if isinstance(result, BaseException):
+            done.set_exception(result)
+        else:
+            done.set_result(result)
+
+    with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is listening
+        loop.call_soon_threadsafe(settle)

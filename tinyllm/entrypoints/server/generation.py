@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from tinyllm.engine.outputs import CompletionOutput, TokenLogprob
 from tinyllm.entrypoints.server.engine_loop import EngineLoop
 from tinyllm.entrypoints.server.errors import APIError
-from tinyllm.entrypoints.server.protocol import Usage
+from tinyllm.entrypoints.server.protocol import PromptTokensDetails, Usage
 from tinyllm.entrypoints.server.sampling import Choice, Prompt
 
 log = logging.getLogger("tinyllm.server")
@@ -33,8 +33,10 @@ class ChoiceResult:
     num_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    num_cached_tokens: int = 0  # of its prompt, from the prefix cache
 
-    def add(self, out: CompletionOutput) -> None:
+    def add(self, out: CompletionOutput, num_cached_tokens: int) -> None:
+        self.num_cached_tokens = num_cached_tokens
         self.text += out.text
         self.num_tokens += len(out.token_ids)
         if out.logprobs is not None:
@@ -78,7 +80,7 @@ class Generation:
                 if completion.finish_reason == "error":
                     raise APIError(500, out.error or "the engine failed on this request")
                 choice = self._by_key[(out.request_id, completion.index)]
-                self.results[choice.index].add(completion)
+                self.results[choice.index].add(completion, out.num_cached_tokens)
                 batch.append((choice, completion))
         return batch
 
@@ -111,8 +113,14 @@ class Generation:
     def usage(self) -> Usage:
         prompt = sum(len(p.token_ids) for p in self.prompts)
         completion = sum(r.num_tokens for r in self.results.values())
+        # A prompt counts once, as in prompt_tokens: its first choice's cached tokens.
+        firsts = {id(c.prompt): self.results[c.index] for c in reversed(self.choices)}
+        cached = sum(r.num_cached_tokens for r in firsts.values())
         return Usage(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
 
     def close(self) -> None:

@@ -41,6 +41,16 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             "tinyllm_generation_tokens", "Tokens generated.", registry=r
         )
+        self.prefix_cache_queries = Counter(
+            "tinyllm_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache when requests were admitted.",
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "tinyllm_prefix_cache_hits",
+            "Of the prefix cache's queried tokens, those found cached (not computed).",
+            registry=r,
+        )
         self.request_success = Counter(
             "tinyllm_request_success",
             "Requests finished, by finish reason.",
@@ -79,6 +89,8 @@ class ServerMetrics:
         self.preemptions.inc(s.num_preemptions - self._last.num_preemptions)
         self.prompt_tokens.inc(s.prompt_tokens - self._last.prompt_tokens)
         self.generation_tokens.inc(s.generation_tokens - self._last.generation_tokens)
+        self.prefix_cache_queries.inc(s.prefix_cache_queries - self._last.prefix_cache_queries)
+        self.prefix_cache_hits.inc(s.prefix_cache_hits - self._last.prefix_cache_hits)
         self._last = s
 
     def record_finished(
