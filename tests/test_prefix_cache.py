@@ -140,7 +140,7 @@ def run_request(kv: KVCacheManager, tokens: list[int], request_id: str = "r") ->
     ("first", "second", "hit"),
     [
         (list(range(8)), list(range(8)), 4),  # ends on a boundary: the last block recomputed
-        (list(range(8)), list(range(9)), 4),  # one token past it: a one-token row is not kept
+        (list(range(8)), list(range(9)), 8),  # one token past it: both blocks
         (list(range(8)), list(range(10)), 8),  # two past it: both blocks
         (list(range(10)), list(range(6)) + [99] * 4, 4),  # diverges mid-block
         (list(range(12)), list(range(7)), 4),  # contained in a cached prompt
@@ -148,7 +148,7 @@ def run_request(kv: KVCacheManager, tokens: list[int], request_id: str = "r") ->
         (list(range(3)), list(range(3)), 0),  # no full block
     ],
 )
-def test_manager_matches_whole_blocks_before_the_last_two_tokens(first, second, hit):
+def test_manager_matches_whole_blocks_before_the_last_token(first, second, hit):
     kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
     a = run_request(kv, first, "a")
     assert a.num_cached_tokens == 0
@@ -312,7 +312,7 @@ def test_block_boundaries_divergence_and_containment_hit_exactly(pair):
     cases = [  # (prompt, tokens it should find cached)
         (base[:48], 0),  # three whole blocks, nothing cached yet
         (base[:48], 32),  # the same prompt again: the last block is recomputed for its logits
-        (base[:49], 32),  # one token past it: not a one-token row (see KVCacheManager.match)
+        (base[:49], 48),  # one token past it: all three blocks, that token by prefill
         (base[:50], 48),  # two past it: all three blocks
         (base[:40] + base[41:45], 32),  # diverges mid-block
         (base[:20], 16),  # contained in a cached prompt
@@ -333,4 +333,4 @@ def test_reset_prefix_cache_forgets_every_block(engines):
     (out,) = on.generate([prompt], GREEDY, use_tqdm=False)
     assert out.num_cached_tokens == 0
     (again,) = on.generate([prompt], GREEDY, use_tqdm=False)
-    assert again.num_cached_tokens == (len(prompt) - 2) // 16 * 16 > 0
+    assert again.num_cached_tokens == (len(prompt) - 1) // 16 * 16 > 0

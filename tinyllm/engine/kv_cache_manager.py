@@ -16,9 +16,8 @@ the extra key: whatever else changes its K/V). Once a request has computed a ful
 or output tokens alike, the block is registered under its key. A new request's tokens are
 matched block by block against those keys at admission: matched blocks are shared (reference
 counted, read-only) and its prefill starts at the first unmatched token. The match never
-covers the last two tokens (`match` says why), so at least the last token, whose logits are
-needed, is computed, and the request only ever writes into blocks of its own that are not yet
-full.
+covers the last token, whose logits are needed, so the request only ever writes into blocks of
+its own that are not yet full.
 """
 
 import math
@@ -85,16 +84,13 @@ class KVCacheManager:
         """The cached blocks that hold the start of a request's tokens, in order. Looks only:
         nothing is held until `admit`.
 
-        The last token is always computed (its logits are needed), and so is the one before
-        it: a row of one new token runs the attention kernels' decode path, which sums in
-        another order than the prefill path, so a hit that left one token would change the
-        last bits of its logits. Two or more new tokens run the prefill path, whose every
-        query is computed as in a whole-prompt prefill: a hit changes no bit (on the default
-        CPU path; tests/test_prefix_cache.py). It costs one block's hit in 1 of block_size
-        prompt lengths."""
+        The last token is always computed: its logits are needed. A prompt's one remaining
+        token runs the attention kernel's prefill path, as it would in a whole-prompt prefill
+        (the runner marks decodes by what the token is, not by the row's size), so a hit
+        changes no bit (on the default CPU path; tests/test_prefix_cache.py)."""
         if not self.enable_prefix_caching:
             return []
-        limit = max(0, request.num_tokens - 2) // self.block_size
+        limit = (request.num_tokens - 1) // self.block_size
         self._extend_keys(request, limit)
         blocks = []
         for key in request.block_keys[:limit]:
