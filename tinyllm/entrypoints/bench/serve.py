@@ -10,7 +10,9 @@ accept, so the same command measures another server on the same machine for a ra
 Per request: TTFT, from sending it to its first streamed chunk; ITL, the gaps between successive
 chunks; TPOT, (E2E - TTFT) / (output tokens - 1); E2E, from sending to the end of the stream.
 A chunk may carry several tokens (text the server's detokenizer held back), so ITL counts chunks
-and TPOT counts tokens, as vLLM does; token counts come from the stream's usage chunk.
+and TPOT counts tokens, as vLLM does; token counts come from the stream's usage chunk, and so do
+the prompt tokens the server took from its prefix cache (usage.prompt_tokens_details
+.cached_tokens), where the server reports them.
 
 --long-prompt N: once every other request is streaming, one more arrives with an N-token
 prompt; the other streams' gaps while it is prefilled (from its sending to its first chunk) are
