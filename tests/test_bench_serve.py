@@ -3,6 +3,8 @@ counts, failures and stalls the test knows, then against the real server on the 
 
 import argparse
 import asyncio
+import copy
+import dataclasses
 import json
 import math
 import random
@@ -17,8 +19,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tests.http_server import serving
+from tinyllm.engine.engine import LLMEngine
 from tinyllm.entrypoints.bench.args import add_bench_args
 from tinyllm.entrypoints.bench.serve import arrival_times
+from tinyllm.entrypoints.bench.serve_chat import TURN_SEPARATOR, message, next_prompt
 from tinyllm.entrypoints.server.app import create_app
 from tinyllm.entrypoints.workloads import make_requests
 
@@ -45,6 +49,7 @@ def scripted_app(state: SimpleNamespace) -> FastAPI:
     async def completions(req: Request):
         body = await req.json()
         prompt, max_tokens = body["prompt"], body["max_tokens"]
+        state.prompts.append(prompt)
         assert body["stream"] and body["ignore_eos"] and body["model"] == "scripted"
         if TOO_LONG < len(prompt) < LONG:
             message = f"prompt of {len(prompt)} tokens is over {TOO_LONG}"
@@ -76,7 +81,7 @@ def scripted_app(state: SimpleNamespace) -> FastAPI:
 
 @pytest.fixture(scope="module")
 def scripted():
-    state = SimpleNamespace(in_flight=0, peak=0, stalled_until=0.0)
+    state = SimpleNamespace(in_flight=0, peak=0, stalled_until=0.0, prompts=[])
     with serving(scripted_app(state)) as url:
         yield SimpleNamespace(url=url, state=state)
 
@@ -170,6 +175,55 @@ def test_long_prompt_window_catches_the_stall(scripted, tmp_path):
     assert long["max_itl_ms"] >= STALL * 1000 > m["median_itl_ms"]
 
 
+def chat_turns(seed: int, conversations: int, turns: int) -> list[list]:
+    """The multi-turn workload's first turns of its first conversations, as the bench sends."""
+    requests = make_requests("multi-turn", VOCAB, seed, conversations)
+    per = len(requests) // conversations
+    return [requests[c * per : c * per + turns] for c in range(conversations)]
+
+
+def test_multi_turn_resends_history_and_stops_a_failed_chat(scripted, tmp_path, capsys):
+    scripted.state.prompts.clear()
+    flags = ["--workload", "multi-turn", "--num-requests", "3", "--turns", "3"]
+    m = bench_serve(tmp_path, scripted.url, *flags, "--output-len", "4")
+    # The scripted server answers "ab" per chunk of 2 tokens, refuses a prompt over TOO_LONG
+    # (characters here), and reports no cached tokens.
+    expected, sent = [], []
+    for turns in chat_turns(0, 3, 3):
+        prompt, failed = "", False
+        for turn in turns:
+            prompt = next_prompt(prompt, "abab", turn)
+            expected.append("not sent" if failed else None)
+            if not failed:
+                sent.append(prompt)
+                failed = len(prompt) > TOO_LONG
+                expected[-1] = "HTTP 400" if failed else None
+    assert sorted(scripted.state.prompts) == sorted(sent)
+    errors = [r["error"] and r["error"][:8] for r in m["requests"]]
+    assert errors == expected
+    assert "not sent" in expected and None in expected[1::3]  # the seed gives both kinds
+    assert m["workload"] == "multi-turn" and m["total_cached_tokens"] is None
+    turns = m["multi_turn"]
+    assert (turns["turns"], turns["conversations"]) == (3, 3)
+    ok = [r for r in m["requests"] if r["error"] is None]
+    assert turns["median_ttft_by_turn_ms"][0] == pytest.approx(
+        np.median([r["ttft_ms"] for r in m["requests"][::3] if r["error"] is None])
+    )
+    assert m["completed"] == len(ok) and m["failed"] == 9 - len(ok)
+    out = capsys.readouterr().out
+    assert f"Prompt tokens cached (server):{' ' * 11}n/a" in out
+    assert "Median TTFT turn 3 (ms)" in out
+
+
+def test_multi_turn_flags_are_checked(scripted, tmp_path):
+    with pytest.raises(ValueError, match="--turns=11 is over the workload's 10 turns"):
+        bench_serve(tmp_path, scripted.url, "--workload", "multi-turn", "--turns", "11")
+    with pytest.raises(ValueError, match="--turns is for a chat replay"):
+        bench_serve(tmp_path, scripted.url, "--turns", "2")
+    with pytest.raises(ValueError, match="--long-prompt is for the serve workload"):
+        bench_serve(tmp_path, scripted.url, "--workload", "multi-turn", "--long-prompt", "9")
+
+
 def test_unreachable_server_is_one_line():
     r = subprocess.run(
         [sys.executable, "-m", "tinyllm.entrypoints.cli", "bench", "serve"]
@@ -202,3 +256,57 @@ def test_bench_serve_against_the_real_server(default_llm, tmp_path):
     long = m["long_prompt"]
     assert long["error"] is None and long["window_itls"] >= 1
     assert long["sent_s"] >= max(r["sent_s"] + r["ttft_ms"] / 1000 for r in m["requests"])
+
+
+@pytest.mark.slow
+def test_multi_turn_against_the_real_server(default_llm, tmp_path, monkeypatch):
+    """2 conversations x 3 turns: each turn's prompt is the previous one, the answer the engine
+    made for it, and the new message; the server finds the history in its prefix cache, and
+    finds nothing with prefix caching off."""
+    flags = ["--workload", "multi-turn", "--num-requests", "2", "--turns", "3"]
+    flags += ["--output-len", "4", "--seed", "2"]
+    engine = default_llm.engine
+    received, answers = [], {}
+    step = engine.step
+
+    def spy():
+        outputs = step()
+        for out in outputs:  # the server's engine streams each step's new text
+            answers[out.request_id] = answers.get(out.request_id, "") + out.text
+        return outputs
+
+    app = create_app(default_llm)
+
+    @app.middleware("http")
+    async def record(request, call_next):
+        if request.url.path == "/v1/completions":
+            received.append(json.loads(await request.body())["prompt"])
+        return await call_next(request)
+
+    monkeypatch.setattr(engine, "step", spy)
+    with serving(app) as url:
+        m = bench_serve(tmp_path, url, *flags)
+    assert m["completed"] == 6 and m["failed"] == 0, m["first_error"]
+    reqs = m["requests"]
+    assert all(r["output_tokens"] == 4 and r["itls_ms"] is not None for r in reqs)
+    for c, turns in enumerate(chat_turns(2, 2, 3)):
+        prompts = [p for p in received if p.startswith(message(turns[0]))]
+        assert len(prompts) == 3 and prompts[0] == message(turns[0])
+        for k in (1, 2):
+            # prompt k = prompt k-1 + the engine's answer to it + the new message
+            earlier, now = prompts[k - 1], prompts[k]
+            tail = TURN_SEPARATOR + message(turns[k])
+            assert now.startswith(earlier) and now.endswith(tail)
+            assert now[len(earlier) : -len(tail)] in answers.values()
+            assert reqs[3 * c + k]["prompt_tokens"] > reqs[3 * c + k - 1]["prompt_tokens"]
+            assert reqs[3 * c + k]["cached_tokens"] > 0
+    assert m["total_cached_tokens"] == sum(r["cached_tokens"] for r in reqs) > 0
+    assert len(m["multi_turn"]["median_ttft_by_turn_ms"]) == 3
+
+    uncached = copy.copy(default_llm)
+    config = dataclasses.replace(engine.config, enable_prefix_caching=False, num_blocks=64)
+    uncached.engine = LLMEngine(engine.model, default_llm.tokenizer, config)
+    with serving(create_app(uncached)) as url:
+        m = bench_serve(tmp_path, url, *flags)
+    assert m["completed"] == 6 and m["total_cached_tokens"] == 0
+    assert m["prefix_cache_hit_rate"] == 0

@@ -60,6 +60,13 @@ def _offline_args(p: argparse.ArgumentParser) -> None:
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
+        "--workload",
+        default="serve",
+        choices=["serve", "multi-turn"],
+        help="serve: independent requests; multi-turn: the chat replay of `tinyllm bench "
+        f"multi-turn` ({WORKLOADS['multi-turn'].summary()}), as text prompts (default: serve)",
+    )
+    p.add_argument(
         "--base-url",
         default=DEFAULT_BASE_URL,
         type=lambda url: url.rstrip("/"),
@@ -74,26 +81,37 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         help="sent as a bearer token (default: $OPENAI_API_KEY)",
     )
     p.add_argument(
-        "--num-requests", type=int, default=None, help="send only the workload's first N requests"
+        "--num-requests",
+        type=int,
+        default=None,
+        help="send only the workload's first N requests (multi-turn: N conversations)",
+    )
+    p.add_argument(
+        "--turns",
+        type=int,
+        default=None,
+        help="multi-turn: only each conversation's first N turns (default: all)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and the arrivals")
     p.add_argument(
         "--request-rate",
         type=float,
         default=float("inf"),
-        help="requests per second, Poisson arrivals (default: inf, all at once)",
+        help="requests (multi-turn: conversation starts) per second, Poisson arrivals "
+        "(default: inf, all at once)",
     )
     p.add_argument(
         "--max-concurrency",
         type=int,
         default=None,
-        help="at most this many requests in flight; later arrivals wait (default: no cap)",
+        help="at most this many requests (multi-turn: conversations) in flight; later "
+        "arrivals wait (default: no cap)",
     )
     p.add_argument(
         "--output-len",
         type=int,
         default=None,
-        help="every request generates this many tokens (default: the workload's U[16, 256])",
+        help="every request generates this many tokens (default: the workload's lengths)",
     )
     p.add_argument(
         "--long-prompt",
@@ -128,7 +146,8 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
         help=f"online, against a running server: {serve}",
         description=f"The serve workload ({serve}) streamed from a running OpenAI-compatible "
         "server's /v1/completions; reports throughput and TTFT/TPOT/ITL/E2E latency as "
-        "`vllm bench serve` does.",
+        "`vllm bench serve` does. --workload multi-turn replays chats instead, and reports "
+        "TTFT per turn and the prompt tokens the server found in its prefix cache.",
     )
     _serve_args(s)
     s.set_defaults(func=cmd_bench_serve)

@@ -1,5 +1,7 @@
 """`tinyllm bench serve`: the online benchmark, as `vllm bench serve` measures it.
 
+--workload multi-turn replays `tinyllm bench multi-turn`'s chats instead (serve_chat.py).
+
 The `serve` workload's requests (random token-id prompts, EOS ignored, greedy) stream from a
 running server's /v1/completions, arriving as a Poisson process at --request-rate requests/s
 (inf: all at once). Only the OpenAI API is used, plus `ignore_eos`, which vLLM and tinyllm
@@ -8,7 +10,9 @@ accept, so the same command measures another server on the same machine for a ra
 Per request: TTFT, from sending it to its first streamed chunk; ITL, the gaps between successive
 chunks; TPOT, (E2E - TTFT) / (output tokens - 1); E2E, from sending to the end of the stream.
 A chunk may carry several tokens (text the server's detokenizer held back), so ITL counts chunks
-and TPOT counts tokens, as vLLM does; token counts come from the stream's usage chunk.
+and TPOT counts tokens, as vLLM does; token counts come from the stream's usage chunk, and so do
+the prompt tokens the server took from its prefix cache (usage.prompt_tokens_details
+.cached_tokens), where the server reports them.
 
 --long-prompt N: once every other request is streaming, one more arrives with an N-token
 prompt; the other streams' gaps while it is prefilled (from its sending to its first chunk) are
@@ -23,13 +27,15 @@ import math
 import random
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 import httpx
 from tqdm import tqdm
 
+from tinyllm.entrypoints.bench.serve_chat import replay_chats
 from tinyllm.entrypoints.bench.serve_report import Outcome, ServeResult, table, write_json
-from tinyllm.entrypoints.workloads import Request, make_requests
+from tinyllm.entrypoints.workloads import WORKLOADS, Request, make_requests
 
 # Only the long prompt's prefill matters: its window ends at its first token.
 LONG_PROMPT_MAX_TOKENS = 1
@@ -72,14 +78,17 @@ class Client:
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
-    async def send(self, req: Request, streaming: asyncio.Event) -> Outcome:
-        """One request; sets `streaming` at its first chunk or its end. Failures are recorded
-        in the outcome, never raised: a benchmark reports them and goes on."""
-        out = Outcome(len(req.prompt_token_ids), req.max_tokens)
+    async def send(
+        self, prompt: list[int] | str, max_tokens: int, streaming: asyncio.Event
+    ) -> Outcome:
+        """One request (a prompt of token ids or text); sets `streaming` at its first chunk or
+        its end. Failures are recorded in the outcome, never raised: a benchmark reports them
+        and goes on."""
+        out = Outcome(len(prompt) if isinstance(prompt, list) else 0, max_tokens)
         body = {
             "model": self.model,
-            "prompt": req.prompt_token_ids,
-            "max_tokens": req.max_tokens,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
             "temperature": 0,
             "ignore_eos": True,
             "stream": True,
@@ -111,9 +120,14 @@ class Client:
                     return f"error event: {_message(event)}"
                 if event.get("choices"):
                     out.chunks.append(self.now())
+                    out.text += event["choices"][0].get("text") or ""
                     streaming.set()
-                if event.get("usage"):
-                    out.output_tokens = event["usage"]["completion_tokens"]
+                if usage := event.get("usage"):
+                    out.prompt_tokens = usage["prompt_tokens"]
+                    out.output_tokens = usage["completion_tokens"]
+                    # The server's own prefix-cache hits; not every server reports them.
+                    details = usage.get("prompt_tokens_details") or {}
+                    out.cached_tokens = details.get("cached_tokens")
             else:
                 return "the stream ended without [DONE]"
         if not out.chunks:
@@ -123,9 +137,38 @@ class Client:
         return None
 
 
+async def _requests(
+    client: Client,
+    requests: list[Request],
+    due_times: list[float],
+    long: Request | None,
+    capped: Callable[[Request, asyncio.Event], Awaitable[Outcome]],
+) -> tuple[list[Outcome], Outcome | None]:
+    """The serve workload: each request sent when due; the long prompt once all stream."""
+    tasks, streaming = [], []
+    for req, due in zip(requests, due_times, strict=True):
+        await asyncio.sleep(max(0.0, due - client.now()))
+        streaming.append(asyncio.Event())
+        tasks.append(asyncio.create_task(capped(req, streaming[-1])))
+    long_task = None
+    if long is not None:
+        # Past the cap: it is the extra request the scenario is about.
+        await asyncio.gather(*(e.wait() for e in streaming))
+        send = client.send(long.prompt_token_ids, long.max_tokens, asyncio.Event())
+        long_task = asyncio.create_task(send)
+    outcomes = await asyncio.gather(*tasks)
+    return list(outcomes), await long_task if long_task is not None else None
+
+
 async def benchmark(
-    args: argparse.Namespace, model: str, requests: list[Request], long: Request | None
+    args: argparse.Namespace,
+    model: str,
+    requests: list[Request],
+    long: Request | None,
+    turns: int | None = None,
 ) -> ServeResult:
+    """The requests, or with `turns` the chats they make (each `turns` requests in a row are
+    one conversation's new messages)."""
     rng = random.Random(args.seed)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     # No connection cap (httpx's default is 100): a request queued inside the pool would be
@@ -144,34 +187,30 @@ async def benchmark(
 
         async def capped(req: Request, streaming: asyncio.Event) -> Outcome:
             async with cap or contextlib.nullcontext():
-                out = await client.send(req, streaming)
+                out = await client.send(req.prompt_token_ids, req.max_tokens, streaming)
             bar.update()
             return out
 
-        tasks, streaming = [], []
-        due_times = arrival_times(len(requests), args.request_rate, rng)
-        for req, due in zip(requests, due_times, strict=True):
-            await asyncio.sleep(max(0.0, due - client.now()))
-            streaming.append(asyncio.Event())
-            tasks.append(asyncio.create_task(capped(req, streaming[-1])))
-        long_task = None
-        if long is not None:
-            # Past the cap: it is the extra request the scenario is about.
-            await asyncio.gather(*(e.wait() for e in streaming))
-            long_task = asyncio.create_task(client.send(long, asyncio.Event()))
-        outcomes = await asyncio.gather(*tasks)
-        long_outcome = await long_task if long_task is not None else None
+        if turns is None:
+            due_times = arrival_times(len(requests), args.request_rate, rng)
+            outcomes, long_outcome = await _requests(client, requests, due_times, long, capped)
+        else:
+            chats = [requests[i : i + turns] for i in range(0, len(requests), turns)]
+            due_times = arrival_times(len(chats), args.request_rate, rng)
+            outcomes, long_outcome = await replay_chats(client, chats, due_times, cap, bar), None
         duration = client.now()
     bar.close()
     return ServeResult(
         base_url=args.base_url,
         model=model,
+        workload=args.workload,
         seed=args.seed,
         request_rate=args.request_rate,
         max_concurrency=args.max_concurrency,
         duration=duration,
-        outcomes=list(outcomes),
+        outcomes=outcomes,
         long=long_outcome,
+        turns=turns or 1,
     )
 
 
@@ -195,18 +234,30 @@ def _check(args: argparse.Namespace) -> None:
         ("--max-concurrency", args.max_concurrency),
         ("--long-prompt", args.long_prompt),
         ("--output-len", args.output_len),
+        ("--turns", args.turns),
     ]:
         if value is not None and value < 1:
             raise ValueError(f"{flag}={value} must be >= 1")
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate={args.request_rate} must be > 0 (inf: all at once)")
+    limit = WORKLOADS[args.workload].turns
+    if limit == 1 and args.turns is not None:
+        raise ValueError(f"--turns is for a chat replay, not --workload {args.workload}")
+    if args.turns is not None and args.turns > limit:
+        raise ValueError(f"--turns={args.turns} is over the workload's {limit} turns")
+    if limit > 1 and args.long_prompt is not None:
+        raise ValueError("--long-prompt is for the serve workload, not a chat replay")
     if args.vocab_size <= 200:
         raise ValueError(f"--vocab-size={args.vocab_size}: prompts are ids in [100, vocab - 100)")
 
 
 def run_serve(args: argparse.Namespace) -> None:
     _check(args)
-    requests = make_requests("serve", args.vocab_size, args.seed, args.num_requests)
+    requests = make_requests(args.workload, args.vocab_size, args.seed, args.num_requests)
+    workload_turns = WORKLOADS[args.workload].turns
+    turns = args.turns or workload_turns
+    if turns < workload_turns:  # the first --turns of each conversation
+        requests = [r for i, r in enumerate(requests) if i % workload_turns < turns]
     if args.output_len is not None:
         requests = [replace(r, max_tokens=args.output_len) for r in requests]
     long = None
@@ -215,14 +266,19 @@ def run_serve(args: argparse.Namespace) -> None:
         ids = [rng.randrange(100, args.vocab_size - 100) for _ in range(args.long_prompt)]
         long = Request(ids, LONG_PROMPT_MAX_TOKENS)
     model = args.model or served_model(args.base_url, args.api_key)
+    chat = workload_turns > 1
+    if chat:
+        what, unit = f"{len(requests) // turns} conversations x {turns} turns", "conversations"
+    else:
+        what, unit = f"{len(requests)} requests", "requests"
     print(
-        f"bench serve: {len(requests)} requests to {args.base_url} ({model}) at "
-        f"{args.request_rate:g} requests/s"
+        f"bench serve: {args.workload}, {what} to {args.base_url} ({model}) at "
+        f"{args.request_rate:g} {unit}/s"
         + (f", a {args.long_prompt}-token prompt once all stream" if long else ""),
         file=sys.stderr,
         flush=True,
     )
-    result = asyncio.run(benchmark(args, model, requests, long))
+    result = asyncio.run(benchmark(args, model, requests, long, turns if chat else None))
     print(table(result))
     if args.json:
         write_json(result, args.json)

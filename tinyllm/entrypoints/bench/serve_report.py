@@ -16,12 +16,14 @@ import numpy as np
 class Outcome:
     """One request as the client saw it."""
 
-    prompt_tokens: int
+    prompt_tokens: int  # the server's count once its usage chunk is in (a text prompt's)
     max_tokens: int
     sent: float = 0.0
     chunks: list[float] = field(default_factory=list)  # arrival of each streamed chunk
     done: float = 0.0  # the end of the stream
     output_tokens: int = 0  # the server's count, from the stream's usage chunk
+    cached_tokens: int | None = None  # prompt tokens the server took from its prefix cache
+    text: str = ""  # the answer, as streamed
     error: str | None = None
 
     @property
@@ -54,6 +56,8 @@ class ServeResult:
     duration: float
     outcomes: list[Outcome]
     long: Outcome | None = None  # the --long-prompt request, kept out of every other figure
+    workload: str = "serve"
+    turns: int = 1  # a chat replay's: outcomes are conversation after conversation, turn by turn
 
     @property
     def ok(self) -> list[Outcome]:
@@ -83,11 +87,18 @@ def _stats(name: str, seconds: list[float]) -> dict[str, float | None]:
     return {k: float(v) for k, v in zip(keys, values, strict=True)}
 
 
+def _cached(ok: list[Outcome]) -> int | None:
+    """The prompt tokens the server took from its prefix cache; None where it did not say."""
+    reported = [o.cached_tokens for o in ok if o.cached_tokens is not None]
+    return sum(reported) if reported else None
+
+
 def metrics(res: ServeResult) -> dict[str, object]:
-    """vLLM's aggregate metrics over the successful requests."""
+    """vLLM's aggregate metrics over the successful requests, and the server's cache hits."""
     ok = res.ok
     prompt = sum(o.prompt_tokens for o in ok)
     output = sum(o.output_tokens for o in ok)
+    cached = _cached(ok)
     return {
         "completed": len(ok),
         "failed": len(res.outcomes) - len(ok),
@@ -99,10 +110,31 @@ def metrics(res: ServeResult) -> dict[str, object]:
         "request_throughput": len(ok) / res.duration,
         "output_throughput": output / res.duration,
         "total_token_throughput": (prompt + output) / res.duration,
+        "total_cached_tokens": cached,
+        "prefix_cache_hit_rate": cached / prompt if cached is not None and prompt else None,
         **_stats("ttft", [o.ttft for o in ok]),
         **_stats("tpot", [t for o in ok if (t := o.tpot) is not None]),
         **_stats("itl", [g for o in ok for g in o.itls]),
         **_stats("e2el", [o.e2e for o in ok]),
+    }
+
+
+def turn_metrics(res: ServeResult) -> dict[str, object] | None:
+    """A chat replay's median TTFT at each turn, over the conversations whose turn succeeded,
+    and the last turn's over the first's: without a prefix cache it grows with the history."""
+    if res.turns == 1:
+        return None
+    by_turn: list[list[float]] = [[] for _ in range(res.turns)]
+    for i, o in enumerate(res.outcomes):
+        if o.error is None:
+            by_turn[i % res.turns].append(o.ttft * 1000)
+    medians = [float(np.median(t)) if t else None for t in by_turn]
+    first, last = medians[0], medians[-1]
+    return {
+        "turns": res.turns,
+        "conversations": len(res.outcomes) // res.turns,
+        "median_ttft_by_turn_ms": medians,
+        "last_to_first_ttft": last / first if first and last is not None else None,
     }
 
 
@@ -160,6 +192,11 @@ def table(res: ServeResult) -> str:
         _line("Request throughput (req/s)", m["request_throughput"]),
         _line("Output token throughput (tok/s)", m["output_throughput"]),
         _line("Total token throughput (tok/s)", m["total_token_throughput"]),
+        _line("Prompt tokens cached (server)", m["total_cached_tokens"]),
+        _line(
+            "Prefix cache hit rate (server, %)",
+            None if m["prefix_cache_hit_rate"] is None else 100 * m["prefix_cache_hit_rate"],
+        ),
         _section("Time to First Token"),
         *_latencies(m, "ttft", "TTFT"),
         _section("Time per Output Token (excl. 1st token)"),
@@ -169,6 +206,16 @@ def table(res: ServeResult) -> str:
         _section("E2E Latency"),
         *_latencies(m, "e2el", "E2EL"),
     ]
+    turns = turn_metrics(res)
+    if turns is not None:
+        lines += [
+            _section(f"TTFT by turn, {turns['conversations']} conversations"),
+            *(
+                _line(f"Median TTFT turn {k} (ms)", t)
+                for k, t in enumerate(turns["median_ttft_by_turn_ms"], 1)
+            ),
+            _line(f"TTFT turn {res.turns} / turn 1", turns["last_to_first_ttft"]),
+        ]
     long = long_prompt_metrics(res)
     if long is not None:
         lines += [
@@ -200,6 +247,7 @@ def to_json(res: ServeResult) -> dict[str, object]:
             "prompt_tokens": o.prompt_tokens,
             "max_tokens": o.max_tokens,
             "output_tokens": o.output_tokens,
+            "cached_tokens": o.cached_tokens,
             "sent_s": o.sent,
             "ttft_ms": o.ttft * 1000 if ok else None,
             "e2el_ms": o.e2e * 1000 if ok else None,
@@ -210,13 +258,14 @@ def to_json(res: ServeResult) -> dict[str, object]:
     return {
         "base_url": res.base_url,
         "model": res.model,
-        "workload": "serve",
+        "workload": res.workload,
         "seed": res.seed,
         "num_prompts": len(res.outcomes),
         # JSON has no infinity; vLLM writes "inf" too.
         "request_rate": "inf" if math.isinf(res.request_rate) else res.request_rate,
         "max_concurrency": res.max_concurrency,
         **metrics(res),
+        "multi_turn": turn_metrics(res),
         "long_prompt": long_prompt_metrics(res),
         "requests": [request(o) for o in res.outcomes],
     }
