@@ -12,8 +12,13 @@ the tensors. The slot cache, the baseline, is the same manager with one block of
 max_model_len tokens per request (and no prefix cache).
 
 Prefix caching: a full block is identified by a chained key, (its parent's hash, its token ids,
-the extra key: whatever else changes its K/V). Once a request has computed a full block, prompt
-or output tokens alike, the block is registered under its key. A new request's tokens are
+the extra key: whatever else changes its K/V). Once a request has computed a full block of its
+prompt, the block is registered under its key. Blocks that hold generated tokens are not: the
+attention kernel computes a generated token by its decode path and a prompt token by its
+prefill path, whose sums differ in the last bits, so a later prompt that hit them would not get
+the bits a fresh prefill gives (and a chat's answers could change with caching on). A chat's
+next turn still finds everything up to its previous answer, which it computes as a prompt, and
+the turn after finds that too. A new request's tokens are
 matched block by block against those keys at admission: matched blocks are shared (reference
 counted, read-only) and its prefill starts at the first unmatched token. The match never
 covers the last token, whose logits are needed, so the request only ever writes into blocks of
@@ -121,10 +126,12 @@ class KVCacheManager:
             self.prefix_cache_hits += request.num_computed_tokens
 
     def cache_blocks(self, request: Request) -> None:
-        """Register the request's blocks that its computed tokens have filled since last time."""
+        """Register the request's prompt blocks that its computed tokens have filled since
+        last time (not those holding generated tokens: see the module's docstring)."""
         if not self.enable_prefix_caching:
             return
-        full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        computed = min(request.num_computed_tokens, request.num_prompt_tokens)
+        full = min(computed // self.block_size, len(request.block_ids))
         self._extend_keys(request, full)
         for j in range(request.num_registered_blocks, full):
             self.pool.cache(request.block_ids[j], request.block_keys[j])
