@@ -31,3 +31,16 @@ def test_a_bad_prompt_refuses_the_whole_call(default_llm):
         default_llm.generate([[5, 6, 7], too_long], SamplingParams(n=2), use_tqdm=False)
     assert not engine.has_unfinished() and not engine.requests
     assert engine.kv.pool.num_used == 0
+
+
+@pytest.mark.parametrize("prompts", [None, 5, [], [None], [[1, 2], None], {"a": 1}])
+def test_prompts_of_the_wrong_shape_name_prompts(default_llm, prompts):
+    with pytest.raises(ValueError, match="prompts: give a text, a list of token ids"):
+        default_llm.generate(prompts, use_tqdm=False)
+    assert not default_llm.engine.has_unfinished()
+
+
+def test_a_float_among_token_ids_names_the_prompt(default_llm):
+    with pytest.raises(ValueError, match="prompt"):
+        default_llm.generate([2.5, 3], use_tqdm=False)
+    assert not default_llm.engine.has_unfinished()

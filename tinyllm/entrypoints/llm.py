@@ -23,6 +23,8 @@ from tinyllm.model.quant import describe_weights, quantize_linears
 
 log = logging.getLogger("tinyllm")
 
+_PROMPTS_ARE = "prompts: give a text, a list of token ids, or a list of those"
+
 
 def resolve_device(device: str | None) -> torch.device:
     """cuda when torch sees a GPU, else cpu; a device this torch cannot use is an error that
@@ -123,8 +125,13 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order."""
+        if not isinstance(prompts, str | list | tuple):
+            raise ValueError(_PROMPTS_ARE + f", not {type(prompts).__name__}")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+            prompts = [prompts]  # one prompt: text, or token ids (each checked when added)
+        bad = [p for p in prompts if not isinstance(p, str | list | tuple)]
+        if bad or not prompts:
+            raise ValueError(_PROMPTS_ARE + (f", not {type(bad[0]).__name__}" if bad else ""))
         encoded = [
             (p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, list(p))
             for p in prompts
