@@ -151,7 +151,14 @@ def _generate(llm, backend: str, fill: float, runs: int = 1) -> list:
     engine = LLMEngine(
         llm.engine.model,
         llm.tokenizer,
-        EngineConfig(attention_backend=backend, num_blocks=64, max_num_batched_tokens=48),
+        # No prefix cache: a later run then reuses the blocks by writing them again, as the
+        # first did, and its steps are the same (dense weights' GEMM depends on a step's rows).
+        EngineConfig(
+            attention_backend=backend,
+            num_blocks=64,
+            max_num_batched_tokens=48,
+            enable_prefix_caching=False,
+        ),
     )
     for k, v in engine.runner.kv_caches:
         k.fill_(fill)
