@@ -138,8 +138,7 @@ def write_and_attend(backend, q, k, v, k_cache, v_cache, meta, scale):
     """The kernel as model/decoder_layer.cpp calls it: it writes the new K/V itself."""
     out = q.new_empty(q.shape)
     backend.kernel(out, q, k_cache, v_cache, k, v, meta.slot_mapping, meta.block_tables,
-                   meta.seq_lens, meta.query_start_loc, meta.num_rows, meta.num_decodes,
-                   scale)  # fmt: skip
+                   meta.seq_lens, meta.query_start_loc, meta.num_rows, scale)  # fmt: skip
     return out
 
 

@@ -205,10 +205,10 @@ def test_chat_replay_resends_each_history_and_times_every_turn(tiny):
         assert len(turns[1]) == 5 + 4 + 3 and turns[1][:5] == turns[0]
         assert turns[1][-3:] == [20, 21, 22] and turns[2][:12] == turns[1]
     assert len(run.ttft_by_turn) == 3 and all(t > 0 for t in run.ttft_by_turn)
-    # A turn finds the previous turn's prompt in whole blocks of 4 (blocks holding answer
-    # tokens are not cached, KVCacheManager): turn 2 finds 4 of turn 1's 5 tokens; turn 3 all
-    # 12 of turn 2's, whose prompt held turn 1's answer.
-    hits = 2 * (4 + 12)
+    # A turn finds what the previous one computed, in whole blocks of 4: its prompt and its
+    # answer but the last token (sampled, never run): turn 2, 5 + 3 tokens -> 8 cached; turn 3,
+    # 12 + 3 -> 12.
+    hits = 2 * (8 + 12)
     queried = 2 * (5 + 12 + 18)
     assert run.hit_rate == pytest.approx(hits / queried)
     off, _ = run_chat_replay(without_prefix_caching(llm), conversations, "no-prefix-caching")

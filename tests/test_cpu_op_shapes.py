@@ -169,15 +169,14 @@ def test_silu_and_mul_refuses(out, x, message):
 # paged_attention
 
 
-def attend(q, k_cache, v_cache, meta, kv=None, out=None, num_rows=None, num_decodes=None):
+def attend(q, k_cache, v_cache, meta, kv=None, out=None, num_rows=None):
     """The kernel on a step, as the whole-layer op calls it when `kv` (k, v) is given."""
     out = q.new_empty(q.shape) if out is None else out
     k, v = kv if kv is not None else (None, None)
-    rows = meta.num_rows if num_rows is None else num_rows
-    decodes = min(meta.num_decodes, max(rows, 0)) if num_decodes is None else num_decodes
     ops.paged_attention(
         out, q, k_cache, v_cache, k, v, None if kv is None else meta.slot_mapping,
-        meta.block_tables, meta.seq_lens, meta.query_start_loc, rows, decodes, 0.3,
+        meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        meta.num_rows if num_rows is None else num_rows, 0.3,
     )  # fmt: skip
     return out
 
@@ -269,12 +268,6 @@ def corrupt(what: str):
         kv = k, v
         meta.slot_mapping = meta.slot_mapping[:3]
         message = r"slot_mapping \[3\] must be \[5\], one slot per token"
-    elif what == "decodes-negative":
-        meta.num_decodes = -1
-        message = r"num_decodes -1 must be in \[0, num_rows 2\]"
-    elif what == "decode-of-4":
-        meta.num_decodes = 2
-        message = r"row 1 has 4 new tokens; a decode row \(below num_decodes 2\) has one"
     return (q, k_cache, v_cache, meta, kv, out, rows), message
 
 
@@ -283,8 +276,7 @@ def corrupt(what: str):
     [
         "block-size-0", "kv-heads-0", "heads-off-groups", "head-dim", "v-cache", "out",
         "num-rows", "seq-lens", "starts", "short-context", "long-context", "table-entry",
-        "tables-int32", "fp16", "cache-dtype", "k-tokens", "slot-mapping", "decodes-negative",
-        "decode-of-4",
+        "tables-int32", "fp16", "cache-dtype", "k-tokens", "slot-mapping",
     ],
 )  # fmt: skip
 def test_attention_refuses(what):
@@ -321,7 +313,6 @@ def layer_args(model, tokens: int) -> dict:
         seq_lens=torch.tensor([tokens] * rows, dtype=torch.long),
         query_start_loc=torch.tensor([0, tokens][: rows + 1]),
         num_rows=rows,
-        num_decodes=0,
         heads=heads,
         kv_heads=kv_heads,
         intermediate=inter,

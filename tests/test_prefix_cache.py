@@ -180,30 +180,28 @@ def test_manager_counts_matched_free_blocks_as_taken_at_admission():
     assert kv.pool.num_free == 1 and r.num_computed_tokens == 8
 
 
-def test_manager_caches_prompt_blocks_not_those_decoding_filled():
-    """A block of generated tokens is not registered (the decode path computed its K/V, a
-    prefill of the same tokens gives other bits); the next turn, which has them in its prompt,
-    registers them."""
+def test_manager_caches_blocks_filled_by_decoding():
     kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
-    r = make_request(list(range(6)))
+    r = make_request(list(range(3)))
     kv.admit(r, kv.match(r))
-    assert kv.allocate(r, 6)
-    r.num_computed_tokens = 6  # the prompt: block 0 full, block 1 half
-    for t in (50, 51, 52, 53, 54):  # sampled, then computed by the next step: decodes
+    assert kv.allocate(r, 3)
+    r.num_computed_tokens = 3
+    r.all_token_ids.append(50)  # sampled; its K/V is computed by the next step
+    assert kv.allocate(r, 1)
+    r.num_computed_tokens += 1  # the first block is now full
+    assert kv.pool.num_cached == 0
+    r.all_token_ids.append(51)
+    assert kv.allocate(r, 1)  # registered before the request grows
+    assert kv.pool.num_cached == 1
+    r.num_computed_tokens += 1
+    for t in (52, 53, 54):
         r.all_token_ids.append(t)
         assert kv.allocate(r, 1)
         r.num_computed_tokens += 1
-    kv.free(r)
-    assert kv.pool.num_cached == 1  # block 0; blocks 1 (4, 5, 50, 51) and 2 hold answer tokens
-    history = [0, 1, 2, 3, 4, 5, 50, 51, 52, 53, 54]
-    turn2 = make_request([*history, 8, 9])
-    assert len(kv.match(turn2)) == 1
-    kv.admit(turn2, kv.match(turn2))
-    assert kv.allocate(turn2, 9)
-    turn2.num_computed_tokens = 13  # its prompt, the previous answer included, by prefill
-    kv.free(turn2)
-    assert kv.pool.num_cached == 3
-    assert len(kv.match(make_request([*history, 8, 9, 7]))) == 3
+    kv.free(r)  # what the last step filled is registered on the way out
+    assert kv.pool.num_cached == 2
+    nxt = make_request([0, 1, 2, 50, 51, 52, 53, 54, 8, 9])  # the next turn: history + new
+    assert len(kv.match(nxt)) == 2
 
 
 # -- the default model: caching on and off give the same bits --------------------------------
@@ -288,21 +286,23 @@ def test_shared_system_prompt_batch(pair):
         assert out.num_cached_tokens == common // 16 * 16 > 0
 
 
-def test_multi_turn_chat_hits_the_history_bit_for_bit(pair):
-    """Turn 2 finds turn 1's prompt; turn 3 finds turn 2's, turn 1's answer included (turn 2
-    computed it as a prompt). Every turn's tokens and logprobs equal caching off's."""
+def test_multi_turn_chat_hits_the_previous_prompt_and_answer_bit_for_bit(pair):
+    """Each turn finds the previous turn's prompt and answer (the answer's K/V computed by
+    decode steps): tokens and logprobs equal caching off's, turn after turn."""
     on, off = pair
     long = dataclasses.replace(GREEDY, max_tokens=24)  # answers cross a block boundary
-    turns = [("What goes into a baguette?",), ("And into a brioche?",), ("Which keeps longer?",)]
     history: list[str] = []
     previous = None
-    for (message,) in turns:
+    for message in ("What goes into a baguette?", "And into a brioche?", "Which keeps longer?"):
         prompt = chat_prompt(on, *history, message)
         (out,) = same_outputs(on, off, [[prompt]], long)[0]
         if previous is not None:
-            assert out.num_cached_tokens == len(previous) // 16 * 16 > 0
+            seen, answer = previous  # the answer's last token was sampled, never computed
+            assert prompt[: len(seen) + len(answer) - 1] == seen + answer[:-1]
+            assert out.num_cached_tokens == (len(seen) + len(answer) - 1) // 16 * 16
+            assert out.num_cached_tokens > len(seen)
         history += [message, out.text]
-        previous = prompt
+        previous = prompt, out.token_ids
 
 
 def test_block_boundaries_divergence_and_containment_hit_exactly(pair):

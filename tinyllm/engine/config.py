@@ -14,7 +14,7 @@ class EngineConfig:
     # Tokens one step runs: decode tokens plus prefill chunks. A prompt longer than what is left
     # is prefilled in chunks over several steps, so running streams keep decoding meanwhile.
     max_num_batched_tokens: int = 512
-    # Share the K/V of prompt prefixes (a chat's history once it is sent back) between requests; the
+    # Share the K/V of prompt prefixes (and earlier turns' answers) between requests; the
     # paged cache only (the slot baseline has no full blocks to share).
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # see tinyllm.model.attention.BACKENDS

@@ -12,13 +12,10 @@ the tensors. The slot cache, the baseline, is the same manager with one block of
 max_model_len tokens per request (and no prefix cache).
 
 Prefix caching: a full block is identified by a chained key, (its parent's hash, its token ids,
-the extra key: whatever else changes its K/V). Once a request has computed a full block of its
-prompt, the block is registered under its key. Blocks that hold generated tokens are not: the
-attention kernel computes a generated token by its decode path and a prompt token by its
-prefill path, whose sums differ in the last bits, so a later prompt that hit them would not get
-the bits a fresh prefill gives (and a chat's answers could change with caching on). A chat's
-next turn still finds everything up to its previous answer, which it computes as a prompt, and
-the turn after finds that too. A new request's tokens are
+the extra key: whatever else changes its K/V). Once a request has computed a full block, prompt
+or output tokens alike, the block is registered under its key, so a chat's next turn finds its
+previous answer too. (A token's K/V are the same bits however it was computed, on the default
+CPU path: attention/cpu_kernel.cpp has one routine for every query.) A new request's tokens are
 matched block by block against those keys at admission: matched blocks are shared (reference
 counted, read-only) and its prefill starts at the first unmatched token. The match never
 covers the last token, whose logits are needed, so the request only ever writes into blocks of
@@ -89,10 +86,9 @@ class KVCacheManager:
         """The cached blocks that hold the start of a request's tokens, in order. Looks only:
         nothing is held until `admit`.
 
-        The last token is always computed: its logits are needed. A prompt's one remaining
-        token runs the attention kernel's prefill path, as it would in a whole-prompt prefill
-        (the runner marks decodes by what the token is, not by the row's size), so a hit
-        changes no bit (on the default CPU path; tests/test_prefix_cache.py)."""
+        The last token is always computed: its logits are needed. A hit changes no bit (on the
+        default CPU path; tests/test_prefix_cache.py): the attention kernel computes every
+        query by one routine, whatever the size of its row."""
         if not self.enable_prefix_caching:
             return []
         limit = (request.num_tokens - 1) // self.block_size
@@ -126,12 +122,10 @@ class KVCacheManager:
             self.prefix_cache_hits += request.num_computed_tokens
 
     def cache_blocks(self, request: Request) -> None:
-        """Register the request's prompt blocks that its computed tokens have filled since
-        last time (not those holding generated tokens: see the module's docstring)."""
+        """Register the request's blocks that its computed tokens have filled since last time."""
         if not self.enable_prefix_caching:
             return
-        computed = min(request.num_computed_tokens, request.num_prompt_tokens)
-        full = min(computed // self.block_size, len(request.block_ids))
+        full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
         self._extend_keys(request, full)
         for j in range(request.num_registered_blocks, full):
             self.pool.cache(request.block_ids[j], request.block_keys[j])

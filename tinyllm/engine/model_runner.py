@@ -79,7 +79,7 @@ class ModelRunner:
 
     def prepare_inputs(self, scheduled: list[tuple[Request, int]]) -> StepBatch:
         """The flat batch and the metadata every layer reads, built once per step."""
-        rows = sorted(scheduled, key=lambda rn: not _is_decode(*rn))  # decodes first, in order
+        rows = sorted(scheduled, key=lambda rn: rn[1] != 1)  # decodes first, order kept
         bs = self.block_size
         ids, positions, slots, tables, seq_lens, query_lens = [], [], [], [], [], []
         sampling, last = [], []
@@ -103,7 +103,7 @@ class ModelRunner:
             block_tables=self._tensor(padded),
             seq_lens=self._tensor(seq_lens),
             query_start_loc=self._tensor([0, *_cumsum(query_lens)]),
-            num_decodes=sum(1 for req, n in rows if _is_decode(req, n)),
+            num_decodes=sum(1 for n in query_lens if n == 1),
             seq_lens_cpu=seq_lens,
             query_lens_cpu=query_lens,
         )
@@ -118,12 +118,6 @@ class ModelRunner:
 
     def _tensor(self, values: list) -> Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
-
-
-def _is_decode(request: Request, n: int) -> bool:
-    """One new token after the prompt: a generated one (a recompute after preemption runs
-    generated tokens again in chunks, as a prompt)."""
-    return n == 1 and request.num_computed_tokens >= request.num_prompt_tokens
 
 
 def _cumsum(values: list[int]) -> list[int]:

@@ -40,7 +40,6 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                      const std::optional<at::Tensor>& v,
                      const std::optional<at::Tensor>& slot_mapping,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     const at::Tensor& query_start_loc, int64_t num_rows, int64_t num_decodes,
-                     double scale);
+                     const at::Tensor& query_start_loc, int64_t num_rows, double scale);
 
 }  // namespace tinyllm

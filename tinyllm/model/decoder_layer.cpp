@@ -36,8 +36,7 @@ void decoder_layer(const at::Tensor& residual, const at::Tensor& positions, cons
                    const std::optional<at::Tensor>& k_norm, const at::Tensor& k_cache,
                    const at::Tensor& v_cache, const at::Tensor& slot_mapping,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                   const at::Tensor& query_start_loc, int64_t num_rows, int64_t num_decodes,
-                   int64_t heads,
+                   const at::Tensor& query_start_loc, int64_t num_rows, int64_t heads,
                    int64_t kv_heads, int64_t intermediate, double eps, double scale) {
   TORCH_CHECK(weights.size() == 6, "decoder_layer: 6 weights, not ", weights.size());
   TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), "decoder_layer: residual ",
@@ -66,7 +65,7 @@ void decoder_layer(const at::Tensor& residual, const at::Tensor& positions, cons
   tinyllm::rotary(qkv, positions, cos, sin, heads + kv_heads, dim);
   at::Tensor attn = at::empty({n, heads, dim}, residual.options());
   tinyllm::paged_attention(attn, q, k_cache, v_cache, k, v, slot_mapping, block_tables, seq_lens,
-                           query_start_loc, num_rows, num_decodes, scale);
+                           query_start_loc, num_rows, scale);
   at::Tensor o = tinyllm::linear(attn.view({n, heads * dim}), o_w, std::nullopt, hidden);
 
   tinyllm::rms_norm(x, o, residual, post_norm, eps);  // residual += o, x = its norm
@@ -83,8 +82,7 @@ TORCH_LIBRARY_FRAGMENT(tinyllm, m) {
       "decoder_layer(Tensor(a!) residual, Tensor positions, Tensor cos, Tensor sin, "
       "Tensor[] weights, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, Tensor(b!) k_cache, "
       "Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
-      "Tensor query_start_loc, int num_rows, int num_decodes, int heads, int kv_heads, "
-      "int intermediate, "
+      "Tensor query_start_loc, int num_rows, int heads, int kv_heads, int intermediate, "
       "float eps, float scale) -> ()",
       &decoder_layer);
 }

@@ -155,7 +155,7 @@ class DecoderLayer(nn.Module):
         torch.ops.tinyllm.decoder_layer(
             residual, positions, rope.cos, rope.sin, weights, bias, q_norm, k_norm,
             k_cache, v_cache, m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc,
-            m.num_rows, m.num_decodes, heads, kv_heads, inter, eps, scale,
+            m.num_rows, heads, kv_heads, inter, eps, scale,
         )  # fmt: skip
 
     def forward(

@@ -13,10 +13,7 @@ class AttentionMetadata:
     block_tables: Tensor  # (R, max_blocks) long: each row's blocks, padded with the scratch block
     seq_lens: Tensor  # (R,) long: tokens of context per row once this step's are written
     query_start_loc: Tensor  # (R + 1,) long: row r's new tokens are [start[r], start[r + 1])
-    # Rows [0, num_decodes) are decodes: each has one new token, a generated one. A prompt's
-    # chunk of one token is not: backends may take another path for decodes, and a prompt token
-    # must take the same one however its prompt was chunked.
-    num_decodes: int
+    num_decodes: int  # rows [0, num_decodes) have exactly one new token each
     # The same numbers on the CPU, for backends that loop over rows in Python.
     seq_lens_cpu: list[int]
     query_lens_cpu: list[int]

@@ -57,7 +57,7 @@ class CPUBackend(AttentionBackend):
         out = q.new_empty(q.shape)
         tables, lens, starts = meta.block_tables, meta.seq_lens, meta.query_start_loc
         self.kernel(out, q, k_cache, v_cache, None, None, None, tables, lens, starts,
-                    meta.num_rows, meta.num_decodes, scale)  # fmt: skip
+                    meta.num_rows, scale)  # fmt: skip
         return out
 
 

@@ -1,17 +1,20 @@
 // Paged attention on the CPU, reading the K/V blocks in place through the block table.
 //
-// The step's work is cut into items that threads take as they finish (their costs differ):
-// (row, KV head) for a decode row, (row, KV head, 32 query vectors) for a prefill row. An item
-// walks the keys its queries may see in tiles of kTile tokens, each token's K and V rows found
-// through the block table, with an online softmax: a running max and sum per query, the output
-// so far rescaled whenever the max grows. Keys past a query's position are never used, so
-// whatever the scratch block and the unused slots hold cannot leak in.
-// - decode: the KV head's query heads together, so each K/V tile is read from memory once per
-//   group; a score is a dot product along the head dim, a tile's exponentials one vectorized
-//   loop (fast_exp).
-// - prefill: 32 query vectors (new tokens x the group's query heads) in the lanes of two
-//   vectors, so scores and outputs are outer products, register-blocked multiply-adds with no
-//   horizontal sums, as in a matrix multiply.
+// One routine for every query, a decode's or a prompt's: an item is (row, new token, KV head),
+// the group's query heads of that token together, so each K/V tile is read once per group. It
+// walks the keys the token may see (up to its own position) from key 0 in tiles of kTile tokens,
+// each token's K and V rows found through the block table, with an online softmax: a running max
+// and sum per head, the output so far rescaled whenever the max grows. A score is a dot product
+// along the head dim, a tile's exponentials one vectorized loop (fast_exp). Keys past a query's
+// position are never read, so whatever the scratch block and the unused slots hold cannot leak
+// in. Threads take items as they finish (their costs differ).
+//
+// Why one routine: a query's arithmetic then depends on nothing but its own position and keys,
+// not on how many tokens its row has or what shares the step. So a token's K/V and logits are
+// the same bits whether it ran in a decode, a prompt chunk of any size, a recompute after
+// preemption, or was read back from the prefix cache. A second routine for prompt rows (their
+// queries in vector lanes, scores as outer products) summed in another order and broke that;
+// measured against this one on a 2000-token prompt and on offline-small, it was no faster.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -21,7 +24,6 @@
 #include "../fast_exp.h"
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -37,17 +39,6 @@ using tinyllm::check_array;
 using tinyllm::fast_exp;
 
 constexpr int64_t kTile = 32;   // keys per online-softmax step: 8 KiB of fp32 K at D=64
-// Floats per vector: the target's register width, as the compiler splits wider vectors badly.
-#if defined(__AVX512F__)
-constexpr int64_t kLanes = 16;
-#elif defined(__AVX__)
-constexpr int64_t kLanes = 8;
-#else
-constexpr int64_t kLanes = 4;
-#endif
-constexpr int64_t kVecs = 2;  // vectors of query vectors per prefill item
-using vfloat = float __attribute__((vector_size(kLanes * sizeof(float))));
-using Block = std::array<vfloat, kVecs>;  // one float for each of a prefill item's queries
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 inline float to_float(float x) { return x; }
@@ -90,8 +81,7 @@ struct Step {
 
 // One thread's buffers, reused across its items.
 struct Scratch {
-  std::vector<float> q, out, m, l;  // decode: the group's queries (G, D), outputs, max and sum
-  std::vector<Block> qt, ot;        // prefill: queries (D) and outputs (D), a Block per dim
+  std::vector<float> q, out, m, l;  // the group's queries (G, D), outputs, max and sum
 };
 
 template <int64_t kD, typename T>
@@ -102,11 +92,14 @@ inline float dot(const float* q, const T* k, int64_t D) {
   return s;
 }
 
+// New token `tok` of a row (its position: the row's context minus its new tokens, plus tok),
+// KV head g's query heads.
 template <int64_t kD, typename T>
-void decode(const Step<kD, T>& c, int64_t row, int64_t g, Scratch& w) {
-  const int64_t D = c.head_dim(), G = c.G, L = c.lens[row];
+void attend_query(const Step<kD, T>& c, int64_t row, int64_t tok, int64_t g, Scratch& w) {
+  const int64_t n = c.starts[row + 1] - c.starts[row];
+  const int64_t D = c.head_dim(), G = c.G, L = c.lens[row] - n + tok + 1;  // keys it sees
   float *qf = w.q.data(), *acc = w.out.data(), *m = w.m.data(), *l = w.l.data();
-  const T* q = c.q + c.starts[row] * c.q_row + g * G * D;  // the group's heads are adjacent
+  const T* q = c.q + (c.starts[row] + tok) * c.q_row + g * G * D;  // the group's heads adjacent
   for (int64_t x = 0; x < G * D; ++x) qf[x] = to_float(q[x]) * c.scale;
   std::fill(acc, acc + G * D, 0.f);
   std::fill(m, m + G, -kInf);
@@ -159,121 +152,21 @@ void decode(const Step<kD, T>& c, int64_t row, int64_t g, Scratch& w) {
       }
     }
   }
-  T* out = c.out + (c.starts[row] * c.Hq + g * G) * D;
+  T* out = c.out + ((c.starts[row] + tok) * c.Hq + g * G) * D;
   for (int64_t h = 0; h < G; ++h) {
     for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<T>(acc[h * D + d] / l[h]);
   }
 }
 
-// A prefill row's query vectors [j0, j0 + 32) of KV head g: vector j is query head
-// g * G + j % G of new token j / G, and sits in lane j % 16 of vector (j - j0) / 16.
-template <int64_t kD, typename T>
-void prefill(const Step<kD, T>& c, int64_t row, int64_t g, int64_t j0, Scratch& w) {
-  const int64_t D = c.head_dim(), G = c.G, L = c.lens[row];
-  const int64_t n = c.starts[row + 1] - c.starts[row];
-  const int64_t nj = std::min(kVecs * kLanes, n * G - j0);
-  Block* qt = w.qt.data();
-  Block* ot = w.ot.data();
-  Block limit;  // a query sees keys [0, limit): up to its own position, L - n + j / G
-  for (int64_t y = 0; y < kVecs * kLanes; ++y) {
-    const int64_t j = j0 + std::min(y, nj - 1);  // spare lanes repeat the last query
-    const T* q = c.q + (c.starts[row] + j / G) * c.q_row + (g * G + j % G) * D;
-    for (int64_t d = 0; d < D; ++d) qt[d][y / kLanes][y % kLanes] = to_float(q[d]) * c.scale;
-    limit[y / kLanes][y % kLanes] = static_cast<float>(L - n + j / G + 1);
-  }
-  std::fill(ot, ot + D, Block{});
-  Block m, l{};
-  m.fill(vfloat{} - kInf);
-  const int64_t keys = L - n + (j0 + nj - 1) / G + 1;  // what the last query sees
-  const T* k_rows[kTile];
-  const T* v_rows[kTile];
-  Block s[kTile];
-  for (int64_t k0 = 0; k0 < keys; k0 += kTile) {
-    const int64_t cnt = std::min(kTile, keys - k0);
-    c.rows(row, g, k0, cnt, k_rows, v_rows);
-    // Four keys at a time: 8 independent chains of multiply-adds in registers, 2 loads of
-    // queries and 4 of keys for every 8 of them.
-    int64_t t = 0;
-    for (; t + 4 <= cnt; t += 4) {
-      Block s0{}, s1{}, s2{}, s3{};
-      for (int64_t d = 0; d < D; ++d) {
-        const float k0d = to_float(k_rows[t][d]), k1d = to_float(k_rows[t + 1][d]);
-        const float k2d = to_float(k_rows[t + 2][d]), k3d = to_float(k_rows[t + 3][d]);
-        for (int64_t h = 0; h < kVecs; ++h) {
-          s0[h] += k0d * qt[d][h], s1[h] += k1d * qt[d][h];
-          s2[h] += k2d * qt[d][h], s3[h] += k3d * qt[d][h];
-        }
-      }
-      s[t] = s0, s[t + 1] = s1, s[t + 2] = s2, s[t + 3] = s3;
-    }
-    for (; t < cnt; ++t) {
-      Block s0{};
-      for (int64_t d = 0; d < D; ++d) {
-        for (int64_t h = 0; h < kVecs; ++h) s0[h] += to_float(k_rows[t][d]) * qt[d][h];
-      }
-      s[t] = s0;
-    }
-    Block alpha;
-    for (int64_t h = 0; h < kVecs; ++h) {
-      vfloat mx = m[h];
-      for (t = 0; t < cnt; ++t) {
-        s[t][h] = static_cast<float>(k0 + t) < limit[h] ? s[t][h] : vfloat{} - kInf;  // causal
-        mx = mx > s[t][h] ? mx : s[t][h];
-      }
-      vfloat sum{};
-      for (t = 0; t < cnt; ++t) {
-        vfloat e;
-        for (int64_t x = 0; x < kLanes; ++x) e[x] = fast_exp(s[t][h][x] - mx[x]);
-        s[t][h] = s[t][h] == -kInf ? vfloat{} : e;
-        sum += s[t][h];
-      }
-      // ~0 on the first tile, where m is -inf; every query sees key 0, so mx is finite.
-      for (int64_t x = 0; x < kLanes; ++x) alpha[h][x] = fast_exp(m[h][x] - mx[x]);
-      m[h] = mx;
-      l[h] = l[h] * alpha[h] + sum;
-    }
-    // Four dims at a time, register-blocked like the scores.
-    int64_t d = 0;
-    for (; d + 4 <= D; d += 4) {
-      Block o0, o1, o2, o3;
-      for (int64_t h = 0; h < kVecs; ++h) {
-        o0[h] = ot[d][h] * alpha[h], o1[h] = ot[d + 1][h] * alpha[h];
-        o2[h] = ot[d + 2][h] * alpha[h], o3[h] = ot[d + 3][h] * alpha[h];
-      }
-      for (t = 0; t < cnt; ++t) {
-        const float v0 = to_float(v_rows[t][d]), v1 = to_float(v_rows[t][d + 1]);
-        const float v2 = to_float(v_rows[t][d + 2]), v3 = to_float(v_rows[t][d + 3]);
-        for (int64_t h = 0; h < kVecs; ++h) {
-          o0[h] += v0 * s[t][h], o1[h] += v1 * s[t][h];
-          o2[h] += v2 * s[t][h], o3[h] += v3 * s[t][h];
-        }
-      }
-      ot[d] = o0, ot[d + 1] = o1, ot[d + 2] = o2, ot[d + 3] = o3;
-    }
-    for (; d < D; ++d) {
-      for (int64_t h = 0; h < kVecs; ++h) {
-        vfloat o = ot[d][h] * alpha[h];
-        for (t = 0; t < cnt; ++t) o += to_float(v_rows[t][d]) * s[t][h];
-        ot[d][h] = o;
-      }
-    }
-  }
-  for (int64_t y = 0; y < nj; ++y) {
-    const int64_t j = j0 + y, h = y / kLanes, x = y % kLanes;
-    T* out = c.out + ((c.starts[row] + j / G) * c.Hq + g * G + j % G) * D;
-    for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(ot[d][h][x] / l[h][x]);
-  }
-}
-
 struct Item {
-  int64_t row, g, j0;  // j0: a prefill item's first query vector; -1 for a decode row
+  int64_t row, tok, g;
 };
 
 template <int64_t kD, typename T>
 void attend_impl(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                  const at::Tensor& v_cache, const at::Tensor& block_tables,
                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_rows,
-                 int64_t num_decodes, double scale) {
+                 double scale) {
   const int64_t Hkv = k_cache.size(2), G = q.size(1) / Hkv, D = q.size(2);
   const Step<kD, T> c{q.size(1), D, k_cache.size(1), Hkv, G, block_tables.size(1), q.stride(0),
                       q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
@@ -283,26 +176,18 @@ void attend_impl(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   std::vector<Item> items;
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t n = c.starts[r + 1] - c.starts[r];
-    for (int64_t g = 0; g < Hkv; ++g) {
-      if (r < num_decodes) {
-        items.push_back({r, g, -1});
-      } else {
-        for (int64_t j0 = 0; j0 < n * G; j0 += kVecs * kLanes) items.push_back({r, g, j0});
-      }
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t g = 0; g < Hkv; ++g) items.push_back({r, t, g});
     }
   }
   // One task per thread of torch's pool, each taking the next item until none is left.
   std::atomic<size_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     Scratch w{std::vector<float>(G * D), std::vector<float>(G * D), std::vector<float>(G),
-              std::vector<float>(G), std::vector<Block>(D), std::vector<Block>(D)};
+              std::vector<float>(G)};
     for (size_t i; (i = next.fetch_add(1)) < items.size();) {
       const Item& it = items[i];
-      if (it.j0 < 0) {
-        decode(c, it.row, it.g, w);
-      } else {
-        prefill(c, it.row, it.g, it.j0, w);
-      }
+      attend_query(c, it.row, it.tok, it.g, w);
     }
   });
 }
@@ -311,10 +196,10 @@ template <typename T>
 void attend_typed(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_rows,
-                  int64_t num_decodes, double scale) {
+                  double scale) {
   auto run = [&](auto kD) {
     attend_impl<decltype(kD)::value, T>(out, q, k_cache, v_cache, block_tables, seq_lens,
-                                        query_start_loc, num_rows, num_decodes, scale);
+                                        query_start_loc, num_rows, scale);
   };
   switch (q.size(2)) {  // the common head dims get unrolled loops
     case 64: return run(std::integral_constant<int64_t, 64>{});
@@ -329,8 +214,7 @@ void attend_typed(const at::Tensor& out, const at::Tensor& q, const at::Tensor& 
 // their blocks).
 void check_step(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                 const at::Tensor& v_cache, const at::Tensor& block_tables,
-                const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_rows,
-                int64_t num_decodes) {
+                const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_rows) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "paged_attention: q must be float32 or bfloat16, not ", dtype);
@@ -356,8 +240,6 @@ void check_step(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
   check_array("paged_attention", "seq_lens", seq_lens, at::kLong);
   check_array("paged_attention", "query_start_loc", query_start_loc, at::kLong);
   TORCH_CHECK(num_rows >= 0, "paged_attention: num_rows must be >= 0, not ", num_rows);
-  TORCH_CHECK(num_decodes >= 0 && num_decodes <= num_rows, "paged_attention: num_decodes ",
-              num_decodes, " must be in [0, num_rows ", num_rows, "]");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_rows,
               "paged_attention: block_tables ", block_tables.sizes(), " must be [num_rows ",
               num_rows, ", blocks]");
@@ -376,8 +258,6 @@ void check_step(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
     const int64_t n = starts[r + 1] - starts[r], blocks = (lens[r] + bs - 1) / bs;
     TORCH_CHECK(n >= 0 && lens[r] >= n, "paged_attention: row ", r, " has ", n,
                 " new tokens and seq_lens ", lens[r], "; its context must hold its new tokens");
-    TORCH_CHECK(r >= num_decodes || n == 1, "paged_attention: row ", r, " has ", n,
-                " new tokens; a decode row (below num_decodes ", num_decodes, ") has one");
     TORCH_CHECK(blocks <= max_blocks, "paged_attention: row ", r, "'s ", lens[r], " tokens need ",
                 blocks, " blocks of ", bs, ", block_tables has ", max_blocks);
     for (int64_t b = 0; b < blocks; ++b) {
@@ -427,10 +307,7 @@ void write_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at:
 
 namespace tinyllm {
 
-// Attention for rows [0, num_rows) of the step, written into out (N, Hq, D); rows
-// [0, num_decodes) are decodes (one new, generated token), taken by the decode path, the rest by
-// the prefill path, a prompt's one-token chunk too: a prompt token then gives the same bits
-// however the prompt was chunked, a generated one whatever shares its step. With k, v and
+// Attention for rows [0, num_rows) of the step, written into out (N, Hq, D). With k, v and
 // slot_mapping, the step's new K/V rows are written into the caches first; without, the caches
 // already hold every row's context, this step's new tokens included. q's rows may be strided.
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
@@ -438,19 +315,17 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                      const std::optional<at::Tensor>& v,
                      const std::optional<at::Tensor>& slot_mapping,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     const at::Tensor& query_start_loc, int64_t num_rows, int64_t num_decodes,
-                     double scale) {
-  check_step(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_rows,
-             num_decodes);
+                     const at::Tensor& query_start_loc, int64_t num_rows, double scale) {
+  check_step(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_rows);
   TORCH_CHECK(k.has_value() == v.has_value() && k.has_value() == slot_mapping.has_value(),
               "paged_attention: k, v and slot_mapping come together");
   if (k) write_cache(k_cache, v_cache, *k, *v, *slot_mapping, q.size(0));
   if (q.scalar_type() == at::kFloat) {
     attend_typed<float>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                        num_rows, num_decodes, scale);
+                        num_rows, scale);
   } else {
     attend_typed<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens,
-                                query_start_loc, num_rows, num_decodes, scale);
+                                query_start_loc, num_rows, scale);
   }
 }
 
@@ -462,6 +337,6 @@ TORCH_LIBRARY(tinyllm, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor(b!) k_cache, Tensor(c!) v_cache, "
       "Tensor? k, Tensor? v, Tensor? slot_mapping, Tensor block_tables, Tensor seq_lens, "
-      "Tensor query_start_loc, int num_rows, int num_decodes, float scale) -> ()",
+      "Tensor query_start_loc, int num_rows, float scale) -> ()",
       &tinyllm::paged_attention);
 }
