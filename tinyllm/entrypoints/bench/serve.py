@@ -22,7 +22,6 @@ reported apart. That is the stall chunked prefill exists to bound.
 import argparse
 import asyncio
 import contextlib
-import json
 import math
 import random
 import sys
@@ -34,6 +33,7 @@ import httpx
 from tqdm import tqdm
 
 from tinyllm.entrypoints.bench.serve_chat import replay_chats
+from tinyllm.entrypoints.bench.serve_client import Client, error_message
 from tinyllm.entrypoints.bench.serve_report import Outcome, ServeResult, table, write_json
 from tinyllm.entrypoints.workloads import WORKLOADS, Request, make_requests
 
@@ -51,90 +51,6 @@ def arrival_times(n: int, rate: float, rng: random.Random) -> list[float]:
         times.append(t)
         t += rng.expovariate(rate)
     return times
-
-
-def _message(payload: object) -> str:
-    """The message of an OpenAI-shaped error, {"error": {"message": ...}}, else the payload."""
-    error = payload.get("error") if isinstance(payload, dict) else None
-    if isinstance(error, dict) and "message" in error:
-        return str(error["message"])
-    return str(error or payload)[:200]
-
-
-def _error_message(status: int, body: bytes) -> str:
-    try:
-        message = _message(json.loads(body))
-    except ValueError:  # not JSON: a proxy's error page, say
-        message = body[:200].decode(errors="replace")
-    return f"HTTP {status}: {message}"
-
-
-class Client:
-    """Streams completions from one server, timing every chunk on one clock."""
-
-    def __init__(self, http: httpx.AsyncClient, model: str, t0: float) -> None:
-        self.http, self.model, self.t0 = http, model, t0
-
-    def now(self) -> float:
-        return time.perf_counter() - self.t0
-
-    async def send(
-        self, prompt: list[int] | str, max_tokens: int, streaming: asyncio.Event
-    ) -> Outcome:
-        """One request (a prompt of token ids or text); sets `streaming` at its first chunk or
-        its end. Failures are recorded in the outcome, never raised: a benchmark reports them
-        and goes on."""
-        out = Outcome(len(prompt) if isinstance(prompt, list) else 0, max_tokens)
-        body = {
-            "model": self.model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        out.sent = self.now()
-        try:
-            out.error = await self._stream(body, out, streaming)
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
-            out.error = f"{type(e).__name__}: {e}"
-        finally:
-            out.done = self.now()
-            streaming.set()
-        return out
-
-    async def _stream(self, body: dict, out: Outcome, streaming: asyncio.Event) -> str | None:
-        """Reads the server-sent events into `out`; returns what went wrong, if anything."""
-        async with self.http.stream("POST", "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                return _error_message(resp.status_code, await resp.aread())
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line.removeprefix("data:").strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    return f"error event: {_message(event)}"
-                if event.get("choices"):
-                    out.chunks.append(self.now())
-                    out.text += event["choices"][0].get("text") or ""
-                    streaming.set()
-                if usage := event.get("usage"):
-                    out.prompt_tokens = usage["prompt_tokens"]
-                    out.output_tokens = usage["completion_tokens"]
-                    # The server's own prefix-cache hits; not every server reports them.
-                    details = usage.get("prompt_tokens_details") or {}
-                    out.cached_tokens = details.get("cached_tokens")
-            else:
-                return "the stream ended without [DONE]"
-        if not out.chunks:
-            return "no chunk was streamed"
-        if not out.output_tokens:
-            return "no usage chunk: the server ignored stream_options.include_usage"
-        return None
 
 
 async def _requests(
@@ -222,7 +138,8 @@ def served_model(base_url: str, api_key: str | None) -> str:
     except httpx.HTTPError as e:
         raise ConnectionError(f"cannot reach {base_url}: {e}") from e
     if resp.status_code != 200:
-        raise ValueError(f"{base_url}/v1/models: {_error_message(resp.status_code, resp.content)}")
+        error = error_message(resp.status_code, resp.content)
+        raise ValueError(f"{base_url}/v1/models: {error}")
     models = resp.json().get("data") or []
     if not models:
         raise ValueError(f"{base_url}/v1/models lists no model: pass --model")

@@ -16,15 +16,12 @@ Poisson arrivals at --request-rate, and --max-concurrency caps conversations in 
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
+from tinyllm.entrypoints.bench.serve_client import Client
 from tinyllm.entrypoints.bench.serve_report import Outcome
 from tinyllm.entrypoints.workloads import Request
-
-if TYPE_CHECKING:  # serve.py imports this module
-    from tinyllm.entrypoints.bench.serve import Client
 
 WORDS = (
     "the of and to in is was for on that with as it by at from his an were are which this be "
@@ -48,7 +45,7 @@ def next_prompt(history: str, answer: str, turn: Request) -> str:
 
 
 async def replay_chats(
-    client: "Client",
+    client: Client,
     chats: list[list[Request]],
     due_times: list[float],
     cap: asyncio.Semaphore | None,
