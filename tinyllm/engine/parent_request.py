@@ -26,7 +26,6 @@ def child_params(params: SamplingParams) -> list[SamplingParams]:
 class ParentRequest:
     def __init__(self, request_id: str, child_ids: list[str], kind: RequestOutputKind):
         self.request_id, self.child_ids, self.kind = request_id, child_ids, kind
-
         self._index = {child: i for i, child in enumerate(child_ids)}
         self._latest: dict[int, RequestOutput] = {}
         self._unfinished = set(child_ids)

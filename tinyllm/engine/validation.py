@@ -39,9 +39,11 @@ def check_token_ids(what: str, ids: object, vocab_size: int) -> None:
     """`ids` is a list (or tuple) of token ids, each an int in [0, vocab_size)."""
     if not isinstance(ids, list | tuple):
         raise ValueError(f"{what} must be a list of token ids, not {kind_of(ids)}")
-    for i, t in enumerate(ids):
-        where = f"{what}: token id {show(t)} at index {i}"
+    for i, t in enumerate(ids):  # a message is built only for the id that is wrong
         if not is_int(t):
-            raise ValueError(f"{where} is {kind_of(t)}, not an int")
+            raise ValueError(f"{what}: token id {show(t)} at index {i} is {kind_of(t)}, not an int")
         if not 0 <= t < vocab_size:
-            raise ValueError(f"{where} is outside the vocabulary [0, {vocab_size})")
+            raise ValueError(
+                f"{what}: token id {show(t)} at index {i} is outside the vocabulary "
+                f"[0, {vocab_size})"
+            )
