@@ -43,6 +43,7 @@ class BlockPool:
         self.block_key: list[BlockKey | None] = [None] * num_blocks
         self.ref_cnt = [0] * num_blocks
         self.peak_used = 0
+        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
@@ -80,6 +81,7 @@ class BlockPool:
         b, _ = self._evictable.popitem(last=False)
         del self._cached[self.block_key[b]]
         self.block_key[b] = None
+        self.num_evictions += 1
         return b
 
     def touch(self, blocks: list[int]) -> None:
