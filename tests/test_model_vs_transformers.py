@@ -108,3 +108,21 @@ def test_answer_says_paris(default_llm):
         use_tqdm=False,
     )[0]
     assert "Paris" in out.text and out.finish_reason == "stop"
+
+
+def test_prompt_logprobs_match(default_llm, hf_model, prompts):
+    """Every prompt position's logprobs against the reference's log-softmax over the whole
+    prompt: the chosen (prompt) token's and the top 5, including a prompt chunked by the budget
+    (the ~500-token chat prompt) and batched with the others."""
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=5)
+    outs = default_llm.generate(prompts[1:], params, use_tqdm=False)
+    for ids, out in zip(prompts[1:], outs, strict=True):
+        with torch.inference_mode():
+            ref = hf_model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+        got = out.prompt_logprobs
+        assert got[0] is None and len(got) == len(ids)
+        chosen = torch.tensor([lp.logprob for lp in got[1:]])
+        want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        torch.testing.assert_close(chosen, want, atol=LOGIT_ATOL, rtol=0)
+        top = torch.tensor([[v for _, v in lp.top] for lp in got[1:]])
+        torch.testing.assert_close(top, ref[:-1].topk(5).values, atol=LOGIT_ATOL, rtol=0)

@@ -54,7 +54,9 @@ def offline(llm):
     completions = llm.generate(PROMPTS, greedy(CONCURRENT_TOKENS), use_tqdm=False)
     long = [llm.generate(p, greedy(16), use_tqdm=False)[0] for p in PROMPTS[:2]]
     chat = llm.chat(CHAT, greedy(16), use_tqdm=False)[0]
-    return SimpleNamespace(completions=completions, long=long, chat=chat)
+    scored = SamplingParams(temperature=0, max_tokens=4, logprobs=2, prompt_logprobs=2)
+    echo = llm.generate(PROMPTS[1], scored, use_tqdm=False)[0]
+    return SimpleNamespace(completions=completions, long=long, chat=chat, echo=echo)
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +204,37 @@ def test_token_id_prompt_and_echo(client, llm, offline):
         model=client.model, prompt=ref.prompt_token_ids, max_tokens=16, temperature=0, echo=True
     )
     assert r.choices[0].text == llm.tokenizer.decode(ref.prompt_token_ids) + ref.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_scores_the_prompt(client, llm, offline, stream):
+    """What evaluation harnesses send for loglikelihoods: echo with logprobs gives every prompt
+    token's logprob (null for the first, as OpenAI's API does), then the generated tokens'."""
+    ref = offline.echo
+    r = client.completions.create(
+        model=client.model,
+        prompt=PROMPTS[1],
+        max_tokens=4,
+        temperature=0,
+        logprobs=2,
+        echo=True,
+        stream=stream,
+    )
+    chunks = list(r) if stream else [r]
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    lps = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    tokens = [t for lp in lps for t in lp.tokens]
+    values = [v for lp in lps for v in lp.token_logprobs]
+    tops = [t for lp in lps for t in lp.top_logprobs]
+    prompt = ref.prompt_token_ids
+    assert text == PROMPTS[1] + ref.text and "".join(tokens) == text
+    want = [None] + [lp.logprob for lp in ref.prompt_logprobs[1:]]
+    want += [lp.logprob for lp in ref.outputs[0].logprobs]
+    assert values == want and len(tokens) == len(prompt) + len(ref.token_ids)
+    assert tops[0] is None and all(len(t) <= 2 for t in tops[1:])
+    assert lps[0].text_offset[: len(prompt)] == [
+        len(llm.tokenizer.decode(prompt[:i])) for i in range(len(prompt))
+    ]
 
 
 def test_logprobs_shapes(client, offline):

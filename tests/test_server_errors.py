@@ -156,7 +156,6 @@ BAD = {
         400,
         "max_tokens",
     ),
-    "echo with logprobs": (COMPLETION, {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
     "stream_options without stream": (
         COMPLETION,
         {"prompt": "x", "stream_options": {"include_usage": True}},

@@ -282,6 +282,8 @@ class LLMEngine:
                 reason,
                 request.stop_reason,
                 num_cached_tokens=request.num_cached_tokens,
+                # Complete once the prompt is: with its first sampled token.
+                prompt_logprobs=request.prompt_logprobs if request.num_output_tokens == 1 else None,
             )
             updates.append(update)
             if reason is not None:

@@ -86,10 +86,11 @@ class KVCacheManager:
         """The cached blocks that hold the start of a request's tokens, in order. Looks only:
         nothing is held until `admit`.
 
-        The last token is always computed: its logits are needed. A hit changes no bit (on the
+        The last token is always computed: its logits are needed (every token's, for a request
+        that asks for prompt logprobs: it matches nothing). A hit changes no bit (on the
         default CPU path; tests/test_prefix_cache.py): the attention kernel computes every
         query by one routine, whatever the size of its row."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.prompt_logprobs is not None:
             return []
         limit = (request.num_tokens - 1) // self.block_size
         self._extend_keys(request, limit)

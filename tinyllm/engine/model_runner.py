@@ -17,11 +17,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tinyllm.engine.logprobs import token_logprobs
 from tinyllm.engine.outputs import TokenLogprob
 from tinyllm.engine.request import Request
 from tinyllm.engine.sampler import Sampler
 from tinyllm.model.attention import AttentionBackend, AttentionMetadata, ForwardContext
 from tinyllm.model.llama import Transformer
+
+_PROMPT_LOGITS_ROWS = 128  # prompt positions per LM-head call (see _prompt_logprobs)
 
 
 @dataclass
@@ -32,6 +35,8 @@ class StepBatch:
     ctx: ForwardContext
     sampling: list[Request]  # the rows whose tokens are all computed after this step
     logits_indices: Tensor  # their last token's index in the batch
+    # Prompt logprobs to compute: (request, batch index of a position, the prompt token after it)
+    prompt_targets: list[tuple[Request, int, int]]
 
 
 def kv_bytes_per_token(model: Transformer) -> int:
@@ -73,19 +78,39 @@ class ModelRunner:
         """One forward pass; the requests that sample and their last position's logits."""
         batch = self.prepare_inputs(scheduled)
         hidden = self.model(batch.input_ids, batch.positions, batch.ctx)
+        if batch.prompt_targets:
+            self._prompt_logprobs(hidden, batch.prompt_targets)
         if not batch.sampling:  # only prompt chunks ran: no row to sample, no LM head to run
             return [], hidden.new_empty(0, self.model.config.vocab_size)
         return batch.sampling, self.model.logits(hidden[batch.logits_indices])
+
+    def _prompt_logprobs(self, hidden: Tensor, targets: list[tuple[Request, int, int]]) -> None:
+        """Append each target's logprob to its request's `prompt_logprobs`, in position order.
+        The LM head runs on a slice of rows at a time: a whole chunk's logits at once would be
+        chunk x vocabulary floats (100 MB for 512 x 49152)."""
+        for s in range(0, len(targets), _PROMPT_LOGITS_ROWS):
+            part = targets[s : s + _PROMPT_LOGITS_ROWS]
+            logits = self.model.logits(hidden[self._tensor([i for _, i, _ in part])])
+            tokens = self._tensor([t for _, _, t in part])
+            top_n = [req.params.prompt_logprobs for req, _, _ in part]
+            for (req, _, _), lp in zip(part, token_logprobs(logits, tokens, top_n), strict=True):
+                req.prompt_logprobs.append(lp)
 
     def prepare_inputs(self, scheduled: list[tuple[Request, int]]) -> StepBatch:
         """The flat batch and the metadata every layer reads, built once per step."""
         rows = sorted(scheduled, key=lambda rn: rn[1] != 1)  # decodes first, order kept
         bs = self.block_size
         ids, positions, slots, tables, seq_lens, query_lens = [], [], [], [], [], []
-        sampling, last = [], []
+        sampling, last, prompt_targets = [], [], []
         for req, n in rows:
             start = req.num_computed_tokens
             end = start + n
+            if req.prompt_logprobs is not None:
+                # Position p's logits give prompt token p + 1's logprob; those a recompute
+                # after preemption already has are not computed again.
+                first = max(start, len(req.prompt_logprobs) - 1)
+                for p in range(first, min(end, req.num_prompt_tokens - 1)):
+                    prompt_targets.append((req, len(ids) + p - start, req.all_token_ids[p + 1]))
             ids += req.all_token_ids[start:end]
             positions += range(start, end)
             blocks = req.block_ids
@@ -114,6 +139,7 @@ class ModelRunner:
             ctx=ForwardContext(meta, self.backend, self.kv_caches),
             sampling=sampling,
             logits_indices=self._tensor(last),
+            prompt_targets=prompt_targets,
         )
 
     def _tensor(self, values: list) -> Tensor:

@@ -29,6 +29,7 @@ class TokenUpdate:
     stop_reason: str | int | None = None
     error: str | None = None
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache held (once admitted)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first sampled token
 
 
 class _RequestState:
@@ -54,6 +55,7 @@ class _RequestState:
         self.stop_reason: str | int | None = None
         self.error: str | None = None
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, token: int, logprob: TokenLogprob | None) -> bool:
         """Take a token; True if a stop string ended the request."""
@@ -131,6 +133,7 @@ class _RequestState:
             finished=self.finished,
             error=self.error,
             num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -158,6 +161,8 @@ class OutputProcessor:
             state = self._states[u.request_id]
             if u.num_cached_tokens is not None:
                 state.num_cached_tokens = u.num_cached_tokens
+            if u.prompt_logprobs is not None:
+                state.prompt_logprobs = u.prompt_logprobs
             if u.token is not None and state.add(u.token, u.logprob):
                 stopped.append(u.request_id)
             elif u.finish_reason is not None:

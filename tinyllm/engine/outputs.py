@@ -31,6 +31,8 @@ class RequestOutput:
     finished: bool
     error: str | None = None  # why a request that could never run was refused
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    # With SamplingParams.prompt_logprobs: one per prompt token, None for the first (vLLM's).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def text(self) -> str:

@@ -5,6 +5,7 @@ import enum
 import torch
 
 from tinyllm.engine.block_pool import BlockKey
+from tinyllm.engine.outputs import TokenLogprob
 from tinyllm.engine.sampling_params import SamplingParams
 
 
@@ -42,6 +43,11 @@ class Request:
         self.block_keys: list[BlockKey] = []
         self.num_registered_blocks = 0
         self.num_cached_tokens: int | None = None
+        # Prompt token i's logprob under tokens 0..i-1, filled as the prompt is computed (the
+        # first token has none). A recompute after preemption finds them already there.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            None if params.prompt_logprobs is None else [None]
+        )
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         self.finish_reason: str | None = None

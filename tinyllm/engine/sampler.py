@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from tinyllm.engine.logprobs import token_logprobs
 from tinyllm.engine.outputs import TokenLogprob
 from tinyllm.engine.sampling_params import SamplingParams
 
@@ -146,15 +147,7 @@ def _logprobs(
     if not wanted:
         return out
     rows = torch.tensor(wanted, device=logits.device)
-    lp = logits[rows].log_softmax(-1)
-    chosen = tokens[rows]
-    chosen_lp = lp.gather(1, chosen[:, None])[:, 0]
-    # One top-k for all rows (the largest n asked), each row then keeps its own n.
-    top = lp.topk(min(max(requests[r].params.logprobs for r in wanted), lp.shape[1]))
-    rows_top = zip(top.indices.tolist(), top.values.tolist(), strict=True)
-    for r, tok, tok_lp, (ids, lps) in zip(
-        wanted, chosen.tolist(), chosen_lp.tolist(), rows_top, strict=True
-    ):
-        n = requests[r].params.logprobs
-        out[r] = TokenLogprob(tok, tok_lp, list(zip(ids[:n], lps[:n], strict=True)))
+    top_n = [requests[r].params.logprobs for r in wanted]
+    for r, lp in zip(wanted, token_logprobs(logits[rows], tokens[rows], top_n), strict=True):
+        out[r] = lp
     return out

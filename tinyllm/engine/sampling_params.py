@@ -67,6 +67,9 @@ _RULES = {
     "logprobs": _Rule(
         _optional(is_int), _optional(lambda v: 0 <= v <= 20), "an integer in [0, 20] (or None)"
     ),
+    "prompt_logprobs": _Rule(
+        _optional(is_int), _optional(lambda v: 0 <= v <= 20), "an integer in [0, 20] (or None)"
+    ),
     "skip_special_tokens": _Rule(_is(bool), _any, "True or False"),
     "n": _Rule(is_int, lambda v: 1 <= v <= 256, "an integer in [1, 256]"),
     "output_kind": _Rule(_is(RequestOutputKind), _any, "a RequestOutputKind"),
@@ -108,6 +111,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # top-n logprobs per generated token (0 = the chosen one only)
+    # The same for each prompt token after the first (under the tokens before it): what
+    # perplexity and loglikelihood evaluations read. Such a prompt is computed in full, never
+    # read from the prefix cache (cached tokens have no logits).
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     n: int = 1  # completions per prompt; the engine expands a request into n

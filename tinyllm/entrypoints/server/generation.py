@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from tinyllm.engine.outputs import CompletionOutput, TokenLogprob
+from tinyllm.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tinyllm.entrypoints.server.engine_loop import EngineLoop
 from tinyllm.entrypoints.server.errors import APIError
 from tinyllm.entrypoints.server.protocol import PromptTokensDetails, Usage
@@ -34,9 +34,12 @@ class ChoiceResult:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     num_cached_tokens: int = 0  # of its prompt, from the prefix cache
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # asked by echo with logprobs
 
-    def add(self, out: CompletionOutput, num_cached_tokens: int) -> None:
-        self.num_cached_tokens = num_cached_tokens
+    def add(self, out: CompletionOutput, request: RequestOutput) -> None:
+        self.num_cached_tokens = request.num_cached_tokens
+        if request.prompt_logprobs is not None:
+            self.prompt_logprobs = request.prompt_logprobs
         self.text += out.text
         self.num_tokens += len(out.token_ids)
         if out.logprobs is not None:
@@ -80,7 +83,7 @@ class Generation:
                 if completion.finish_reason == "error":
                     raise APIError(500, out.error or "the engine failed on this request")
                 choice = self._by_key[(out.request_id, completion.index)]
-                self.results[choice.index].add(completion, out.num_cached_tokens)
+                self.results[choice.index].add(completion, out)
                 batch.append((choice, completion))
         return batch
 

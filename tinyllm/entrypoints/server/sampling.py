@@ -90,12 +90,14 @@ def plan_choices(
     logprobs: int | None,
     defaults: SamplingParams,
     max_tokens_param: str = "max_tokens",
+    prompt_logprobs: int | None = None,
 ) -> list[Choice]:
     """n choices per prompt, numbered prompt by prompt. A field the request leaves out takes its
     value from `defaults` (the model's recommended settings). `default_max_tokens` None: fill the
     context; an explicit `max_tokens` that does not fit it is an error, a default is cut to fit."""
     vocab = engine.model.config.vocab_size
     base = _params(req, 1 if max_tokens is None else max_tokens, logprobs, vocab, defaults)
+    base.prompt_logprobs = prompt_logprobs
     limit, n = engine.max_model_len, req.n or 1
     if len(prompts) * n > MAX_CHOICES:
         raise APIError(

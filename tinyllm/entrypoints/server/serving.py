@@ -73,8 +73,6 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         include_usage = self._common_checks(req)
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo with logprobs is not served (no prompt logprobs)", "echo")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         prompts = await run_in_threadpool(completion_prompts, self.tokenizer, req.prompt)
         choices = plan_choices(
@@ -86,9 +84,13 @@ class OpenAIServing:
             self.default_max_tokens or COMPLETION_MAX_TOKENS,
             req.logprobs,
             self.defaults,
+            # echo with logprobs: the prompt's tokens get theirs too (the first has none).
+            prompt_logprobs=req.logprobs if req.echo else None,
         )
         created = int(time.time())
         echo = {c.index: self._prompt_text(c.prompt) for c in choices} if req.echo else {}
+        # The choices whose next chunk (their first) still owes the prompt's logprobs.
+        owed = set(echo) if req.logprobs is not None else set()
 
         def response(choices: list[CompletionChoice], usage=None) -> CompletionResponse:
             return CompletionResponse(
@@ -96,7 +98,12 @@ class OpenAIServing:
             )
 
         def choice(c: Choice, text: str, lps: list[TokenLogprob] | None, reason, start: int):
-            logprobs = self._completion_logprobs(lps, start) if lps is not None else None
+            first = None
+            if c.index in owed:  # the prompt's first token has no logprob: its id alone
+                owed.discard(c.index)
+                first, start = c.prompt.token_ids[0], 0
+                lps = gen.results[c.index].prompt_logprobs[1:] + lps
+            logprobs = self._completion_logprobs(lps, start, first) if lps is not None else None
             return CompletionChoice(
                 index=c.index, text=text, logprobs=logprobs, finish_reason=reason
             )
@@ -211,12 +218,21 @@ class OpenAIServing:
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _completion_logprobs(self, lps: list[TokenLogprob], start: int) -> CompletionLogprobs:
+    def _completion_logprobs(
+        self, lps: list[TokenLogprob], start: int, first: int | None = None
+    ) -> CompletionLogprobs:
+        """OpenAI's shape. `first`: an echoed prompt's first token, which has no logprob (null,
+        as OpenAI's API gives it), before the others."""
         tokens = [self._token(lp.token_id) for lp in lps]
+        lp_values: list[float | None] = [lp.logprob for lp in lps]
+        tops: list[dict[str, float] | None] = [{self._token(t): v for t, v in lp.top} for lp in lps]
+        if first is not None:
+            tokens = [self._token(first), *tokens]
+            lp_values, tops = [None, *lp_values], [None, *tops]
         return CompletionLogprobs(
             tokens=tokens,
-            token_logprobs=[lp.logprob for lp in lps],
-            top_logprobs=[{self._token(t): v for t, v in lp.top} for lp in lps],
+            token_logprobs=lp_values,
+            top_logprobs=tops,
             text_offset=list(itertools.accumulate(map(len, tokens), initial=start))[:-1],
         )
 
