@@ -16,6 +16,7 @@ from tests.test_quant import quantized_activations, run_at_level
 from tinyllm.entrypoints import cli
 from tinyllm.loaders.gguf import load_gguf
 from tinyllm.loaders.gguf_blocks import GROUP_TYPES, KERNEL_BITS, groups
+from tinyllm.model.config import ModelLoadError
 from tinyllm.model.llama import Transformer, fuse_projections
 from tinyllm.model.quant import pack, quantize_linears, unpack
 
@@ -230,3 +231,20 @@ def test_unsupported_file_is_one_line(tmp_path: Path, capsys, arch: str, qtype: 
     assert "Traceback" not in err
     (line,) = [ln for ln in err.splitlines() if ln.startswith("tinyllm: error:")]
     assert message in line and str(path) in line, err
+
+
+def test_scales_beyond_fp16_are_refused(tmp_path: Path):
+    """Q4_K's d * sc is computed in fp32: a large d times a 6-bit scale has no fp16 to pack."""
+
+    def huge(shape, qtype, rng):
+        blocks = encode(shape, qtype, rng)
+        flat = blocks.reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1])
+        flat[:, 0:2] = np.array([60000], np.float16).view(np.uint8)  # d
+        flat[:, 4] = 63  # sub-block 0's scale
+        return blocks
+
+    name = "model.layers.1.mlp.down_proj.weight"
+    path = write_gguf(tmp_path / "m.gguf", hf_weights(), raw={name: Q.Q4_K}, encode=huge)
+    load_gguf(path)  # dequantized, as fp32, it loads
+    with pytest.raises(ModelLoadError, match=r"'blk.1.ffn_down.weight': Q4_K blocks whose scale"):
+        load_gguf(path, keep_quantized=True)

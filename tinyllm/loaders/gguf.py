@@ -270,7 +270,10 @@ def gguf_weights(
                 f"{where}: tensor {tensor.name!r} has shape {stored}, config implies {shape}"
             )
         if keep_quantized and tensor.tensor_type in KERNEL_BITS:
-            w = groups(tensor.data, tensor.tensor_type, shape)
+            try:
+                w = groups(tensor.data, tensor.tensor_type, shape)
+            except ValueError as e:
+                raise ModelLoadError(f"{where}: tensor {tensor.name!r}: {e}") from None
             weights[hf_name] = w.map_rows(lambda t, name=tensor.name: _rotary_rows(t, name, config))
             continue
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)

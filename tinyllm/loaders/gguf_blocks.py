@@ -106,7 +106,10 @@ def stored_groups(data: np.ndarray, qtype: Q, shape: tuple[int, int]) -> GroupQu
     if shift := SHIFT_8BIT.get(qtype, 0):
         u, m = u + np.uint8(shift), m - shift * d
     if not (np.abs(d).max(initial=0) <= FP16_MAX and np.abs(m).max(initial=0) <= FP16_MAX):
-        raise ValueError(f"{qtype.name} blocks with scales beyond fp16's range ({FP16_MAX})")
+        raise ValueError(
+            f"{qtype.name} blocks whose scale or offset is beyond fp16's range ({FP16_MAX}), "
+            "which tinyllm's kernel stores them in"
+        )
     n, k = shape
     return GroupQuantized(
         torch.from_numpy(u.reshape(n, k)),
