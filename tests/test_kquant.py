@@ -139,7 +139,7 @@ def test_other_instruction_set_levels_multiply_every_type(level):
 HIDDEN, FFN, HEAD_DIM = 256, 512, 64  # K-quant rows are whole super-blocks of 256
 # Each layer's tensors in a different type, as llama.cpp's mixes (Q4_K_M) put them, with the
 # largest difference seen from transformers' logits, over their standard deviation: packed as
-# stored, only the fp16 rounding of d and m and the activations' (0.03% measured); with the
+# stored, only the fp16 rounding of d and m and the activations' (0.18% measured); with the
 # types rounded again (Q6_K to 8 bits, Q2_K and Q3_K to 4), 4% measured.
 AS_STORED = [
     {"q": Q.Q4_K, "k": Q.Q5_K, "v": Q.Q8_0, "o": Q.Q4_K, "gate": Q.Q5_0, "up": Q.Q5_1},
@@ -175,14 +175,22 @@ def kquant_file(request, tmp_path_factory) -> tuple[Path, float]:
     return write_gguf(path, weights, metadata=dims, raw=types, encode=encode), tolerance
 
 
-def tinyllm_model(path: Path) -> Transformer:
-    """The model as LLM(quantization="auto") builds it: each tensor at its own bits."""
+def tinyllm_model(path: Path, keep_stored: bool = True) -> Transformer:
+    """The model as LLM(quantization="auto") builds it, each tensor at its own bits; without
+    `keep_stored`, as quantization="int4" does."""
     config, weights, _ = load_gguf(path, keep_quantized=True)
     with torch.device("meta"):
         model = Transformer(config)
     weights = fuse_projections(weights, config.num_layers)
-    model.load_weights(quantize_linears(model, weights, "int4", torch.float32, keep_stored=True))
+    model.load_weights(quantize_linears(model, weights, "int4", torch.float32, keep_stored))
     return model.eval()
+
+
+def test_forced_int4_rounds_8bit_tensors_to_4_bits(kquant_file: tuple[Path, float]):
+    model = tinyllm_model(kquant_file[0], keep_stored=False)
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.bits == 4 and layer.mlp.gate_up_proj.bits == 4
+    assert model.lm_head.bits == 8
 
 
 def test_kquant_file_matches_transformers(kquant_file: tuple[Path, float]):

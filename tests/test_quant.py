@@ -299,3 +299,20 @@ def test_this_cpus_own_level_is_never_refused(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="tinyllm"):
         assert cpu_library.level() == own
     assert caplog.text == ""
+
+
+def test_4bit_groups_widen_to_8_bits_up_to_the_fp16_offset():
+    g = random_groups(32, 64, 4, torch.Generator().manual_seed(7))
+    wide = g.widened()
+    assert wide.bits == 8 and int(wide.q.min()) >= 1
+    packed = unpack(pack(wide), 8)
+    # Only m - d is rounded to fp16: half an fp16 step of it.
+    bound = (g.zero - g.scale).abs().repeat_interleave(32, dim=1) * 2**-11
+    assert ((packed - g.dequantize()).abs() <= bound + 1e-9).all()
+
+
+def test_8bit_codes_of_zero_are_refused():
+    g = random_groups(16, 32, 8, torch.Generator().manual_seed(8))
+    g.q[3, 5] = 0
+    with pytest.raises(ValueError, match="8-bit codes must be in 1..255"):
+        pack(g)
