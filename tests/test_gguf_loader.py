@@ -43,24 +43,31 @@ def gguf_name(hf_name: str) -> str:
 
 
 def hf_weights(
-    head_dim: int = HIDDEN // HEADS, tied: bool = True, bias: bool = False, qk_norm: bool = False
+    head_dim: int = HIDDEN // HEADS,
+    tied: bool = True,
+    bias: bool = False,
+    qk_norm: bool = False,
+    hidden: int = HIDDEN,
+    ffn: int = FFN,
 ) -> dict[str, np.ndarray]:
+    """Random weights; a `hidden` or `ffn` other than the defaults needs them in write_gguf's
+    metadata too."""
     rng = np.random.default_rng(0)
-    shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,)}
+    shapes = {"model.embed_tokens.weight": (VOCAB, hidden), "model.norm.weight": (hidden,)}
     if not tied:
-        shapes["lm_head.weight"] = (VOCAB, HIDDEN)
+        shapes["lm_head.weight"] = (VOCAB, hidden)
     q, kv = HEADS * head_dim, KV_HEADS * head_dim
     for i in range(LAYERS):
         layer = {
-            "input_layernorm.weight": (HIDDEN,),
-            "self_attn.q_proj.weight": (q, HIDDEN),
-            "self_attn.k_proj.weight": (kv, HIDDEN),
-            "self_attn.v_proj.weight": (kv, HIDDEN),
-            "self_attn.o_proj.weight": (HIDDEN, q),
-            "post_attention_layernorm.weight": (HIDDEN,),
-            "mlp.gate_proj.weight": (FFN, HIDDEN),
-            "mlp.up_proj.weight": (FFN, HIDDEN),
-            "mlp.down_proj.weight": (HIDDEN, FFN),
+            "input_layernorm.weight": (hidden,),
+            "self_attn.q_proj.weight": (q, hidden),
+            "self_attn.k_proj.weight": (kv, hidden),
+            "self_attn.v_proj.weight": (kv, hidden),
+            "self_attn.o_proj.weight": (hidden, q),
+            "post_attention_layernorm.weight": (hidden,),
+            "mlp.gate_proj.weight": (ffn, hidden),
+            "mlp.up_proj.weight": (ffn, hidden),
+            "mlp.down_proj.weight": (hidden, ffn),
         }
         for proj, rows in [("q", q), ("k", kv), ("v", kv)] if bias else []:
             layer[f"self_attn.{proj}_proj.bias"] = (rows,)
@@ -87,9 +94,11 @@ def write_gguf(
     metadata: dict | None = None,
     raw: dict[str, Q] | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
+    encode=None,
 ) -> Path:
     """A tiny model file. 2-D weights are stored as `qtype` (norms and biases stay F32, as in
-    llama.cpp); tensors named in `raw` get random bytes of the given type instead."""
+    llama.cpp); tensors named in `raw` get blocks of the given type instead: `encode(shape,
+    type, rng)`'s bytes, by default random ones."""
     writer = gguf.GGUFWriter(path, arch)
     values = {
         f"{arch}.block_count": LAYERS,
@@ -116,7 +125,9 @@ def write_gguf(
             w = llama_cpp_permute(w, HEADS)
         elif arch == "llama" and ".attn_k." in name:
             w = llama_cpp_permute(w, KV_HEADS)
-        if raw and hf_name in raw:
+        if raw and hf_name in raw and encode:
+            writer.add_tensor(name, encode(w.shape, raw[hf_name], rng), raw_dtype=raw[hf_name])
+        elif raw and hf_name in raw:
             blocks = rng.integers(
                 0, 256, gguf.quants.quant_shape_to_byte_shape(w.shape, raw[hf_name])
             )

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from tinyllm.loaders.gguf import _groups
+from tinyllm.loaders.gguf_blocks import stored_groups
 from tinyllm.model import cpu_library, precision
 from tinyllm.model.config import ModelConfig
 from tinyllm.model.llama import Transformer
@@ -41,8 +41,8 @@ def random_groups(n: int, k: int, bits: int, gen: torch.Generator) -> GroupQuant
         q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
         zero = fp16(-8 * scale + torch.randn(n, k // 32, generator=gen) * 0.01)
     else:
-        q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
-        zero = torch.zeros_like(scale)
+        q = torch.randint(1, 256, (n, k), generator=gen, dtype=torch.uint8)
+        zero = -128 * scale
     return GroupQuantized(q, scale, zero, bits=bits)
 
 
@@ -64,7 +64,7 @@ def test_gguf_groups_are_the_stored_weights(qtype):
     survive the kernel's packing unchanged."""
     w = np.random.default_rng(0).standard_normal((24, 96)).astype(np.float32)
     blocks = gguf.quants.quantize(w, qtype)
-    groups = _groups(blocks, qtype, w.shape)
+    groups = stored_groups(blocks, qtype, w.shape)
     assert groups.bits == (8 if qtype == Q.Q8_0 else 4)
     expected = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))
     torch.testing.assert_close(groups.dequantize(), expected, rtol=0, atol=1e-6)
@@ -201,17 +201,21 @@ def test_resolve_dtype(monkeypatch):
         resolve_dtype("fp8", cpu)
 
 
-# Built as a library of its own, in a fresh process (its op's name is the main library's).
-OTHER_LEVEL = """
+# The kernel built as a library of its own at a level, in a fresh process (its op's name is the
+# main library's), then a check run on it.
+AT_LEVEL = """
 import sys, torch
 from torch.utils.cpp_extension import load
 from tinyllm.model.cpu_library import HERE, build_flags
-from tinyllm.model.quant import int4_groups, int8_groups, pack
-from tests.test_quant import quantized_activations
 
 level = sys.argv[1]
 load(name=f"tinyllm_quant_{level}", sources=[str(HERE / "quant_linear.cpp")],
      extra_cflags=build_flags(level), extra_ldflags=["-fopenmp"], is_python_module=False)
+"""
+OTHER_LEVEL = """
+from tinyllm.model.quant import int4_groups, int8_groups, pack
+from tests.test_quant import quantized_activations
+
 gen = torch.Generator().manual_seed(0)
 for bits, quantize in ((4, int4_groups), (8, int8_groups)):
     for rows in (1, 6):
@@ -224,20 +228,26 @@ print("ok")
 """
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("level", ["avx2", "generic"])
-def test_other_instruction_set_levels_compute_the_same(level):
-    """The AVX2 path (u8 x s8 pairs in int16, 8-bit codes by their sign) and the portable one,
-    which this machine's own build does not run, on a machine that can run them."""
+def run_at_level(level: str, check: str) -> None:
+    """Run `check` (Python that prints "ok") on the kernel built for `level`, where this
+    machine can run that level and the library in use is not already built for it."""
     if cpu_library.level() == level:
         pytest.skip(f"the library in use is built for {level}: every other test runs it")
     if level == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip("this CPU has no AVX2")
     root = Path(__file__).parents[1]
     done = subprocess.run(
-        [sys.executable, "-c", OTHER_LEVEL, level], cwd=root, capture_output=True, text=True
+        [sys.executable, "-c", AT_LEVEL + check, level], cwd=root, capture_output=True, text=True
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["avx2", "generic"])
+def test_other_instruction_set_levels_compute_the_same(level):
+    """The AVX2 path (u8 x s8 pairs in int16, 8-bit codes by their sign) and the portable one,
+    which this machine's own build does not run, on a machine that can run them."""
+    run_at_level(level, OTHER_LEVEL)
 
 
 def test_a_level_can_be_forced_but_not_misnamed(monkeypatch):
@@ -289,3 +299,20 @@ def test_this_cpus_own_level_is_never_refused(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="tinyllm"):
         assert cpu_library.level() == own
     assert caplog.text == ""
+
+
+def test_4bit_groups_widen_to_8_bits_up_to_the_fp16_offset():
+    g = random_groups(32, 64, 4, torch.Generator().manual_seed(7))
+    wide = g.widened()
+    assert wide.bits == 8 and int(wide.q.min()) >= 1
+    packed = unpack(pack(wide), 8)
+    # Only m - d is rounded to fp16: half an fp16 step of it.
+    bound = (g.zero - g.scale).abs().repeat_interleave(32, dim=1) * 2**-11
+    assert ((packed - g.dequantize()).abs() <= bound + 1e-9).all()
+
+
+def test_8bit_codes_of_zero_are_refused():
+    g = random_groups(16, 32, 8, torch.Generator().manual_seed(8))
+    g.q[3, 5] = 0
+    with pytest.raises(ValueError, match="8-bit codes must be in 1..255"):
+        pack(g)

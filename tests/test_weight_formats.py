@@ -35,8 +35,8 @@ CHATS = [
     [{"role": "user", "content": "How many legs does a spider have?"}],
 ]
 PERPLEXITY_TOKENS = 1024
-# Within 1%: bf16; int4 (Q4_1 run as stored; the activations rounded to int8 blocks); int8, a
-# second rounding of the file's 4-bit weights to a finer grid.
+# Within 1%: bf16; int4 (Q4_1 run as stored; the activations rounded to int8 blocks); int8 (the
+# file's 4-bit groups widened to 8 bits, up to the fp16 rounding of each m - d).
 PERPLEXITY_TOLERANCE = dict.fromkeys(FORMATS, 0.01)
 
 

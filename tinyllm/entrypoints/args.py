@@ -35,9 +35,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--quantization",
         default="auto",
         choices=["auto", "none", "int8", "int4"],
-        help="linear layers' weights on CPU: int4 (groups of 32, GGUF Q4_0/Q4_1 as stored) or "
-        "int8 (a scale per row), run by torch's weight-only kernels; none: dense; auto: a "
-        "GGUF's own bits (int4 for the default model), dense for safetensors",
+        help="linear layers' weights on CPU, in groups of 32 run by tinyllm's C++ kernel: int4 "
+        "or int8 (GGUF Q4_0/Q4_1/Q4_K as stored in int4; Q5_0/Q5_1/Q5_K/Q8_0 in int8); none: "
+        "dense; auto: a GGUF's own bits, each tensor's (int4 for the default model), dense "
+        "for safetensors",
     )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument(

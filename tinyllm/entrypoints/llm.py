@@ -82,6 +82,7 @@ class LLM:
             warn_if_oversubscribed(torch.get_num_threads())
         start = time.perf_counter()
         files = open_model(model)
+        keep_stored = quantization == "auto"  # the file's own bits, not a forced width
         quantization, why = resolve_quantization(quantization, files.stored_bits, dev)
         torch_dtype, why_dtype = resolve_dtype(dtype, dev)
         dtype_name = str(torch_dtype).removeprefix("torch.")
@@ -90,7 +91,7 @@ class LLM:
         with torch.device("meta"), _SkipInit():
             net = Transformer(loaded.config)
         weights = fuse_projections(loaded.weights, loaded.config.num_layers)
-        dense = quantize_linears(net, weights, quantization, torch_dtype)
+        dense = quantize_linears(net, weights, quantization, torch_dtype, keep_stored)
         net.load_weights({k: v.to(dev) for k, v in dense.items()})
         _log_loaded(loaded.name, loaded.weights.values(), net, time.perf_counter() - start)
         self.model_name = loaded.name

@@ -1,5 +1,5 @@
 """Load a llama.cpp GGUF file: its metadata as a ModelConfig, its tensors as a Hugging Face
-state dict of dequantized torch tensors."""
+state dict of dequantized torch tensors, or of the quantized linear layers' groups."""
 
 import math
 import os
@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from tinyllm.loaders.gguf_blocks import KERNEL_BITS, groups
 from tinyllm.model.config import ModelConfig, ModelLoadError, UnsupportedModelError
 from tinyllm.model.quant import GroupQuantized
 
@@ -20,16 +21,6 @@ SUPPORTED_TENSOR_TYPES = (
     Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
 )  # fmt: skip
-
-# Stored as groups of 32 with a scale (and Q4_1 a minimum): kept as they are when quantized.
-GROUP_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
-
-# The bits the int kernels run each stored type in (model/quant.py): 2- to 4-bit types in
-# int4's groups of 32, 5- to 8-bit ones in int8.
-KERNEL_BITS = {
-    **dict.fromkeys((Q.Q4_0, Q.Q4_1, Q.Q2_K, Q.Q3_K, Q.Q4_K), 4),
-    **dict.fromkeys((Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q8_0), 8),
-}
 
 # Llama 3 GGUFs carry no rope-scaling metadata, only this tensor of per-frequency divisors.
 ROPE_FREQS = "rope_freqs.weight"
@@ -241,28 +232,6 @@ def _unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, pairs, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _groups(data: np.ndarray, qtype: Q, shape: tuple[int, int]) -> GroupQuantized:
-    """A Q4_0, Q4_1 or Q8_0 tensor's blocks as they are: per block of 32 weights an fp16 scale
-    d, for Q4_1 an fp16 minimum m, then the codes (4-bit: weight j in the low nibble of byte
-    j, weight j + 16 in its high nibble)."""
-    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    blocks = np.ascontiguousarray(data).reshape(-1, type_size)
-    d = blocks[:, 0:2].view(np.float16).astype(np.float32)
-    codes = blocks[:, 4:] if qtype == Q.Q4_1 else blocks[:, 2:]
-    if qtype == Q.Q8_0:
-        q, zero, bits = codes.view(np.int8), np.zeros_like(d), 8
-    else:
-        q, bits = np.concatenate([codes & 0x0F, codes >> 4], axis=1), 4
-        zero = blocks[:, 2:4].view(np.float16).astype(np.float32) if qtype == Q.Q4_1 else -8 * d
-    n, k = shape
-    return GroupQuantized(
-        torch.from_numpy(q.reshape(n, k).copy()),
-        torch.from_numpy(d.reshape(n, k // 32)),
-        torch.from_numpy(zero.reshape(n, k // 32)),
-        bits,
-    )
-
-
 def _rotary_rows(w: torch.Tensor, name: str, config: ModelConfig) -> torch.Tensor:
     """`w` (rows first) with llama's q/k row order restored; any other tensor as it is."""
     if config.architecture == "llama" and ".attn_q." in name:
@@ -279,8 +248,8 @@ def gguf_weights(
     keep_quantized: bool = False,
 ) -> dict[str, torch.Tensor | GroupQuantized]:
     """Every tensor as a state dict with Hugging Face names and shapes: dequantized to `dtype`,
-    except, with `keep_quantized`, the Q4_0, Q4_1 and Q8_0 ones, kept as their stored groups for
-    the quantized linear layers (model/quant.py)."""
+    except, with `keep_quantized`, the quantized ones, as groups for the quantized linear layers
+    at their KERNEL_BITS (loaders/gguf_blocks.py: most as stored, never dequantized)."""
     expected = _tensor_names(config)
     where = reader.data.filename
     weights: dict[str, torch.Tensor | GroupQuantized] = {}
@@ -300,8 +269,11 @@ def gguf_weights(
             raise ModelLoadError(
                 f"{where}: tensor {tensor.name!r} has shape {stored}, config implies {shape}"
             )
-        if keep_quantized and tensor.tensor_type in GROUP_TYPES:
-            w = _groups(tensor.data, tensor.tensor_type, shape)
+        if keep_quantized and tensor.tensor_type in KERNEL_BITS:
+            try:
+                w = groups(tensor.data, tensor.tensor_type, shape)
+            except ValueError as e:
+                raise ModelLoadError(f"{where}: tensor {tensor.name!r}: {e}") from None
             weights[hf_name] = w.map_rows(lambda t, name=tensor.name: _rotary_rows(t, name, config))
             continue
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)

@@ -2,13 +2,14 @@
 C++ kernel (quant_linear.cpp) on int8-quantized activations, as llama.cpp runs GGUF files.
 
 One format for both widths: per block of 32 weights of a row, w = d * u + m with unsigned codes
-u (0..15 at 4 bits, 0..255 at 8) and an fp16 scale d and offset m. GGUF's Q4_1 is this exactly
-(u = q, m as stored), Q4_0 too (m = -8d) and Q8_0 (u = q + 128, m = -128d), so a GGUF file's
-blocks are packed as they are, never expanded to a dense matrix; other weights (Hugging Face
-safetensors, other GGUF types) are quantized here at load. `quantize_linears` rewrites a
-model's nn.Linear layers into `QuantLinear` in one pass (gpt-fast's weight-only handlers are
-the model). `pack` lays the blocks out as the kernel reads them; `unpack` is its inverse, used
-by the tied embeddings and the tests.
+u (0..15 at 4 bits, 1..255 at 8) and an fp16 scale d and offset m. GGUF's Q4_1 is this exactly
+(u = q, m as stored), Q4_0 too (m = -8d) and Q8_0 (u = q + 128, m = -128d); loaders/gguf_blocks.py
+maps the other types onto it. A GGUF file's blocks are packed from their bytes, never expanded
+to a dense matrix; other weights (Hugging Face safetensors, GGUF types with sub-blocks of 16)
+are quantized here at load. `quantize_linears` rewrites a model's nn.Linear layers into
+`QuantLinear` in one pass (gpt-fast's weight-only handlers are the model). `pack` lays the
+blocks out as the kernel reads them; `unpack` is its inverse, used by the tied embeddings and
+the tests.
 """
 
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ TILE = 16  # output rows the kernel computes together, one per vector lane
 class GroupQuantized:
     """A weight in blocks: w[n, k] = q[n, k] * scale[n, k // 32] + zero[n, k // 32]."""
 
-    q: Tensor  # (N, K) integers: 0..15 for 4 bits, -127..127 for 8
+    q: Tensor  # (N, K) uint8 codes: 0..15 for 4 bits, 1..255 for 8 (see pack)
     scale: Tensor  # (N, K // 32) float32
     zero: Tensor  # (N, K // 32) float32
     bits: int
@@ -43,6 +44,13 @@ class GroupQuantized:
         """The same weight with its output rows rearranged by `fn` (a row permutation)."""
         return GroupQuantized(fn(self.q), fn(self.scale), fn(self.zero), self.bits)
 
+    def widened(self) -> "GroupQuantized":
+        """4-bit groups as 8-bit ones: u + 1 and m - d, exact up to the fp16 rounding of m - d
+        (the 1 keeps codes off 0, see pack)."""
+        if self.bits == 8:
+            return self
+        return GroupQuantized(self.q + 1, self.scale, self.zero - self.scale, bits=8)
+
     def dequantize(self) -> Tensor:
         n, k = self.q.shape
         w = self.q.view(n, k // GROUP, GROUP).float() * self.scale[..., None]
@@ -50,9 +58,12 @@ class GroupQuantized:
 
 
 def cat_rows(weights: list[Tensor | GroupQuantized]) -> Tensor | GroupQuantized:
-    """Weights stacked along their output rows (fused projections); stored groups stay groups
-    when every part has the same bits, else all are dequantized."""
-    if all(isinstance(w, GroupQuantized) for w in weights) and len({w.bits for w in weights}) == 1:
+    """Weights stacked along their output rows (fused projections); stored groups stay groups,
+    4-bit parts widened to 8 bits if another part is 8-bit (a Q4_K_M file's Q6_K v_proj beside
+    Q4_K q and k), else all are dequantized."""
+    if all(isinstance(w, GroupQuantized) for w in weights):
+        if len({w.bits for w in weights}) > 1:
+            weights = [w.widened() for w in weights]
         return GroupQuantized(
             *(torch.cat([getattr(w, f) for w in weights]) for f in ("q", "scale", "zero")),
             bits=weights[0].bits,
@@ -82,29 +93,31 @@ def int4_groups(w: Tensor) -> GroupQuantized:
 
 
 def int8_groups(w: Tensor) -> GroupQuantized:
-    """Symmetric 8-bit quantization in groups of 32, as llama.cpp's Q8_0."""
+    """Symmetric 8-bit quantization in groups of 32, as llama.cpp's Q8_0 (u = q + 128)."""
     g = _groups_of(w)
     scale = _fp16(g.abs().amax(-1) / 127)
-    q = (g / scale.clamp_min(1e-12)[..., None]).round().clamp(-127, 127)
-    return GroupQuantized(q.to(torch.int8).flatten(1), scale, torch.zeros_like(scale), bits=8)
+    q = (g / scale.clamp_min(1e-12)[..., None]).round().clamp(-127, 127) + 128
+    return GroupQuantized(q.to(torch.uint8).flatten(1), scale, -128 * scale, bits=8)
 
 
 def pack(w: GroupQuantized) -> Tensor:
     """The kernel's layout (quant_linear.cpp): (N / 16 tiles, K / 32 blocks, record) uint8,
-    each record the codes of 16 rows x 32 weights, then their 16 fp16 d and 16 fp16 m."""
-    u, m = w.q.to(torch.int32), w.zero
-    if w.bits == 8:  # u = q + 128 (llama.cpp's quantizers never write -128)
-        u, m = u.clamp(-127, 127) + 128, m - 128 * w.scale
+    each record the codes of 16 rows x 32 weights, then their 16 fp16 d and 16 fp16 m.
+
+    8-bit codes must not be 0: without VNNI the kernel multiplies u - 128 by the sign of each
+    activation code, and -128 has no positive counterpart in int8."""
+    u = w.q.to(torch.uint8)
+    if w.bits == 8 and u.numel() and u.min() == 0:
+        raise ValueError("8-bit codes must be in 1..255, got a 0 (see model/quant.py pack)")
     pad = -len(u) % TILE  # zero rows, whose outputs are never written
-    u, d, m = (nn.functional.pad(t, (0, 0, 0, pad)) for t in (u, w.scale, m))
+    u, d, m = (nn.functional.pad(t, (0, 0, 0, pad)) for t in (u, w.scale, w.zero))
     tiles, blocks = len(u) // TILE, d.shape[1]
     if w.bits == 4:
         # (tile, row, block, chunk, nibble, j) -> (tile, block, chunk, row, j, nibble)
         c = u.view(tiles, TILE, blocks, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
-        codes = (c[..., 0] | c[..., 1] << 4).to(torch.uint8).reshape(tiles, blocks, -1)
+        codes = (c[..., 0] | c[..., 1] << 4).reshape(tiles, blocks, -1)
     else:
-        codes = u.view(tiles, TILE, blocks, 8, 4).permute(0, 2, 3, 1, 4)
-        codes = codes.to(torch.uint8).reshape(tiles, blocks, -1)
+        codes = u.view(tiles, TILE, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, blocks, -1)
     d, m = (t.view(tiles, TILE, blocks).transpose(1, 2).half() for t in (d, m))
     scales = torch.cat([d, m], dim=-1).contiguous().view(torch.uint8)
     return torch.cat([codes, scales], dim=-1).contiguous()
@@ -169,22 +182,32 @@ def _dense(w: Tensor | GroupQuantized) -> Tensor:
     return w.dequantize() if isinstance(w, GroupQuantized) else w
 
 
-def _make(kind: str, w: Tensor | GroupQuantized, bias, dtype) -> QuantLinear:
-    bits, k = (4 if kind == "int4" else 8), w.shape[1]
-    if not (isinstance(w, GroupQuantized) and w.bits == bits):
+def _make(bits: int, w: Tensor | GroupQuantized, bias, dtype, keep_stored: bool) -> QuantLinear:
+    """Stored groups run as they are, widened (exactly) where `bits` is more; they are rounded
+    again only to fewer bits, and not at all with `keep_stored`."""
+    k = w.shape[1]
+    if isinstance(w, GroupQuantized) and (w.bits <= bits or keep_stored):
+        w = w.widened() if w.bits < bits else w
+    else:
         w = (int4_groups if bits == 4 else int8_groups)(_dense(w))
     return QuantLinear(w, bias, dtype, in_features=k)
 
 
 def quantize_linears(
-    model: nn.Module, state_dict: dict[str, Tensor | GroupQuantized], mode: str, dtype
+    model: nn.Module,
+    state_dict: dict[str, Tensor | GroupQuantized],
+    mode: str,
+    dtype: torch.dtype,
+    keep_stored: bool = False,
 ) -> dict[str, Tensor]:
     """Replace `model`'s nn.Linear layers by quantized ones built from `state_dict`'s weights,
     and return what is left of the state dict, dense, for the model's own load.
 
     mode "int4": the decoder layers' linears in 4 bits; the LM head in 8, as llama.cpp's
     quantizers keep the output layer at 6-8 bits. mode "int8": every linear in 8 bits. A tied
-    LM head's rows also serve as the token embeddings.
+    LM head's rows also serve as the token embeddings. With `keep_stored` (quantization "auto"
+    on a GGUF file), weights the file stores at 5-8 bits stay 8-bit in "int4": a Q4_K_M file's
+    Q5_0 and Q6_K tensors, rounded again to 4 bits, changed its greedy answers.
     """
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantization={mode!r}: choose one of {', '.join(QUANTIZATIONS)}")
@@ -196,10 +219,9 @@ def quantize_linears(
         for name, module in list(model.named_modules()):
             if not isinstance(module, nn.Linear):
                 continue
-            kind = "int8" if name == "lm_head" else mode
-            new = _make(
-                kind, state_dict.pop(f"{name}.weight"), state_dict.pop(f"{name}.bias", None), dtype
-            )
+            bits = 8 if name == "lm_head" or mode == "int8" else 4
+            w, bias = state_dict.pop(f"{name}.weight"), state_dict.pop(f"{name}.bias", None)
+            new = _make(bits, w, bias, dtype, keep_stored)
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, new)
         if tied:
