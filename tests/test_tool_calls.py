@@ -8,7 +8,9 @@ import pytest
 from tinyllm.text.tool_calls import ToolCallStream, parse_tool_calls
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"x": 1, "y": [2, "}"]}}\n</tool_call>'
-WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris \\"FR\\""}}\n</tool_call>'
+WEATHER = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris \\"FR\\""}}\n</tool_call>'
+)
 
 
 def test_text_without_calls_is_content():

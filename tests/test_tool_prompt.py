@@ -91,7 +91,14 @@ def test_a_template_that_reads_tools_gets_them(smollm):
 
 
 def test_arguments_that_are_not_json_are_refused(smollm):
-    bad = {**CALLED, "tool_calls": [{**CALLED["tool_calls"][0], "function": {
-        "name": "get_weather", "arguments": "{city: Paris"}}]}
+    bad = {
+        **CALLED,
+        "tool_calls": [
+            {
+                **CALLED["tool_calls"][0],
+                "function": {"name": "get_weather", "arguments": "{city: Paris"},
+            }
+        ],
+    }
     with pytest.raises(ValueError, match=r"tool_calls\.0\.function\.arguments is not JSON"):
         smollm.encode_chat([EXCHANGE[0], bad], tools=TOOLS)

@@ -56,6 +56,29 @@ def check_parameters(functions: list[dict[str, Any]]) -> None:
             raise ValueError(f"tools.{i}.function.parameters ({f['name']}): {error.strip()}")
 
 
+def tool_choice_grammar(
+    tools: list[dict[str, Any]], tool_choice: str | dict[str, Any] = "auto", parallel: bool = True
+) -> str:
+    """The grammar for OpenAI's `tools` and `tool_choice` ("none", "auto", "required" or
+    {"type": "function", "function": {"name": ...}}); ValueError naming the field at fault."""
+    functions = [t["function"] for t in tools]
+    names = [f["name"] for f in functions]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"tools: the function name {twice[0]!r} is given twice")
+    check_parameters(functions)
+    if isinstance(tool_choice, dict):
+        name = tool_choice["function"]["name"]
+        if name not in names:
+            raise ValueError(f"tool_choice: no function {name!r} in tools ({', '.join(names)})")
+        return tool_grammar([functions[names.index(name)]], "required", parallel)
+    if tool_choice not in ("none", "auto", "required"):
+        raise ValueError(
+            f"tool_choice: {tool_choice!r} is not none, auto, required or a named function"
+        )
+    return tool_grammar(functions, tool_choice, parallel)
+
+
 def tool_grammar(functions: list[dict[str, Any]], choice: str, parallel: bool) -> str:
     """The grammar for tool_choice `choice` ("auto", "required" or "none"; a named function
     is "required" over just that function)."""
