@@ -61,6 +61,13 @@ def tool_choice_grammar(
 ) -> str:
     """The grammar for OpenAI's `tools` and `tool_choice` ("none", "auto", "required" or
     {"type": "function", "function": {"name": ...}}); ValueError naming the field at fault."""
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise ValueError(
+                f'tools.{i}: give {{"type": "function", "function": {{"name": ..., '
+                f'"parameters": ...}}}}, not {t!r:.80}'
+            )
     functions = [t["function"] for t in tools]
     names = [f["name"] for f in functions]
     twice = sorted({n for n in names if names.count(n) > 1})
