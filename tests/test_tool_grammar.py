@@ -64,6 +64,12 @@ CASES = {
     ),
     '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>': (False, False, False),
     f"{ADD} and some text after": (False, False, False),
+    # Arguments hold the declared parameters only (the schemas do not say otherwise).
+    '<tool_call>\n{"name": "add", "arguments": {"x": 1, "y": 2, "z": 3}}\n</tool_call>': (
+        False,
+        False,
+        False,
+    ),
     "Sure <tool_call> I will not call after all": (False, False, False),
 }
 

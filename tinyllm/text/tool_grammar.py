@@ -25,15 +25,21 @@ _NL = "\n"
 _ANY_PARAMETERS: dict[str, Any] = {"type": "object"}
 
 
+def arguments_schema(function: dict[str, Any]) -> dict[str, Any]:
+    """A function's `parameters`, closed to other properties unless it says otherwise (as
+    OpenAI's strict mode does): a small model otherwise invents arguments it was not given."""
+    schema = function.get("parameters") or _ANY_PARAMETERS
+    if schema.get("type") == "object" and "additionalProperties" not in schema:
+        schema = {**schema, "additionalProperties": False}
+    return schema
+
+
 def call_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
     """The JSON schema of one call body: any of `functions` (OpenAI's function objects)."""
     options = [
         {
             "type": "object",
-            "properties": {
-                "name": {"const": f["name"]},
-                "arguments": f.get("parameters") or _ANY_PARAMETERS,
-            },
+            "properties": {"name": {"const": f["name"]}, "arguments": arguments_schema(f)},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
@@ -45,7 +51,7 @@ def call_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
 def check_parameters(functions: list[dict[str, Any]]) -> None:
     """ValueError naming the function whose parameters schema llguidance cannot compile."""
     for i, f in enumerate(functions):
-        schema = f.get("parameters") or _ANY_PARAMETERS
+        schema = arguments_schema(f)
         try:
             error = llguidance.LLMatcher.validate_grammar(
                 llguidance.LLMatcher.grammar_from_json_schema(schema)
