@@ -36,7 +36,8 @@ def test_required_gives_parsed_calls_that_validate(default_llm):
 
 
 def test_none_gives_no_calls_and_bad_tools_are_named(default_llm):
-    out = default_llm.chat(ASK, GREEDY, use_tqdm=False, tools=TOOLS, tool_choice="none")[0]
+    short = SamplingParams(temperature=0, max_tokens=16)
+    out = default_llm.chat(ASK, short, use_tqdm=False, tools=TOOLS, tool_choice="none")[0]
     assert out.outputs[0].tool_calls is None and "<tool_call>" not in out.text
     with pytest.raises(ValueError, match="tool_choice: no function 'nope'"):
         named = {"type": "function", "function": {"name": "nope"}}

@@ -4,6 +4,8 @@ function the answer is always a call whose arguments validate; streamed calls re
 non-streamed answer; `none` never calls; a tool result goes back for a second turn."""
 
 import json
+import re
+from pathlib import Path
 
 import jsonschema
 import openai
@@ -53,6 +55,7 @@ PROMPTS = [
 ]
 CHOICES = ["required", *({"type": "function", "function": {"name": n}} for n in PARAMETERS)]
 MAX_TOKENS = 96
+README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +67,9 @@ def client(default_llm):
 
 
 def ask(client, prompt: str | list[dict], tool_choice, **kw):
-    """Greedy, one call at most: a small model given parallel calls tends to repeat its call
-    until max_tokens cuts the last one (test_parallel_calls covers that case)."""
+    """Greedy; one call at most unless parallel_tool_calls says otherwise (the default)."""
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-    kw = {"temperature": 0, "max_tokens": MAX_TOKENS, "parallel_tool_calls": False, **kw}
+    kw = {"temperature": 0, "max_tokens": MAX_TOKENS, **kw}
     return client.chat.completions.create(
         model=client.model, messages=messages, tools=TOOLS, tool_choice=tool_choice, **kw
     )
@@ -134,7 +136,6 @@ def test_parallel_calls_are_each_well_formed(client):
 
 def test_the_clients_stream_helper_assembles_the_call(client):
     kw = dict(tools=TOOLS, tool_choice="required", temperature=0, max_tokens=MAX_TOKENS)
-    kw["parallel_tool_calls"] = False
     messages = [{"role": "user", "content": PROMPTS[0]}]
     whole = client.chat.completions.create(model=client.model, messages=messages, **kw)
     with client.chat.completions.stream(model=client.model, messages=messages, **kw) as stream:
@@ -223,3 +224,12 @@ def test_bad_tool_requests_are_400s_naming_the_field(client):
         assert e.value.body["param"] == param
     # And the server goes on.
     assert ask(client, PROMPTS[1], "required").choices[0].finish_reason == "tool_calls"
+
+
+def test_readmes_tool_call_example_prints_what_it_says(client, capsys):
+    section = README.read_text().split("Tool calls work the same way", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+    shown = re.search(r"print\(.*\)  # (.*)", code).group(1)
+    code = code.replace('OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="secret")', "CLIENT")
+    exec(compile(code, str(README), "exec"), {"CLIENT": client})
+    assert capsys.readouterr().out == shown + "\n"

@@ -148,14 +148,15 @@ class LLM:
         use_tqdm: bool = True,
         tools: list[dict] | None = None,
         tool_choice: str | dict = "auto",
-        parallel_tool_calls: bool = True,
+        parallel_tool_calls: bool = False,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them.
 
         `tools` and `tool_choice` as OpenAI's API takes them ("none", "auto", "required" or
         {"type": "function", "function": {"name": ...}}): the tools go into the prompt, the
         answer is constrained to well-formed calls (tinyllm.text.tool_grammar) and each
-        completion's `tool_calls` holds the calls parsed from its `text`."""
+        completion's `tool_calls` holds the calls parsed from its `text`. One call per answer
+        unless `parallel_tool_calls` (a small model allowed more tends to repeat its call)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if not conversations:
             raise ValueError("no conversation given: pass a list of messages")

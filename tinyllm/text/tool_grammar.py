@@ -63,7 +63,7 @@ def check_parameters(functions: list[dict[str, Any]]) -> None:
 
 
 def tool_choice_grammar(
-    tools: list[dict[str, Any]], tool_choice: str | dict[str, Any] = "auto", parallel: bool = True
+    tools: list[dict[str, Any]], tool_choice: str | dict[str, Any] = "auto", parallel: bool = False
 ) -> str:
     """The grammar for OpenAI's `tools` and `tool_choice` ("none", "auto", "required" or
     {"type": "function", "function": {"name": ...}}); ValueError naming the field at fault."""

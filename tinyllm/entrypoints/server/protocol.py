@@ -133,6 +133,8 @@ class ChatCompletionRequest(SamplingRequest):
     # can use.
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # Off unless asked for (llama.cpp's default; OpenAI's is on): a small model allowed several
+    # calls tends to repeat its call until max_tokens cuts one.
     parallel_tool_calls: bool | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

@@ -39,7 +39,7 @@ def plan_tools(req: ChatCompletionRequest, constrained: bool) -> ToolPlan:
     if not isinstance(choice_value, str):
         choice_value = choice_value.model_dump()
     try:
-        grammar = tool_choice_grammar(tools, choice_value, req.parallel_tool_calls is not False)
+        grammar = tool_choice_grammar(tools, choice_value, bool(req.parallel_tool_calls))
     except ValueError as e:
         raise APIError(400, str(e), param=str(e).split(":")[0].split(".")[0]) from e
     if choice_value == "none":
