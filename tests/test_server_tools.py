@@ -7,6 +7,7 @@ import json
 import re
 from pathlib import Path
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -233,3 +234,12 @@ def test_readmes_tool_call_example_prints_what_it_says(client, capsys):
     code = code.replace('OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="secret")', "CLIENT")
     exec(compile(code, str(README), "exec"), {"CLIENT": client})
     assert capsys.readouterr().out == shown + "\n"
+
+
+def test_tokenize_renders_the_tools_as_chat_completions_do(client):
+    url = str(client.base_url).removesuffix("v1/") + "tokenize"
+    body = {"messages": [{"role": "user", "content": PROMPTS[0]}]}
+    plain = httpx.post(url, json=body).json()
+    with_tools = httpx.post(url, json={**body, "tools": TOOLS}).json()
+    answer = ask(client, PROMPTS[0], "none", max_tokens=1)
+    assert with_tools["count"] == answer.usage.prompt_tokens > plain["count"] + 50

@@ -146,6 +146,7 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # with messages: rendered as chat completions would
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

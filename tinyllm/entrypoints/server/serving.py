@@ -141,7 +141,7 @@ class OpenAIServing:
         if tools.constraint is not None:
             constraint = Constraint(tools.constraint, "tools")
         prompt = await run_in_threadpool(
-            chat_prompt, self.tokenizer, req.messages, True, tools.tools
+            chat_prompt, self.tokenizer, req.messages, tools=tools.tools
         )
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         choices = plan_choices(

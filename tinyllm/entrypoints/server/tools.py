@@ -1,6 +1,7 @@
 """Tool calling on /v1/chat/completions: the request's tools and tool_choice into a prompt and a
 grammar; the answer's `<tool_call>` blocks into OpenAI's `tool_calls`, whole or streamed."""
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,14 +36,15 @@ def plan_tools(req: ChatCompletionRequest, constrained: bool) -> ToolPlan:
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
         return ToolPlan(None, None, False)
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
-    choice_value = "auto" if choice is None else choice
-    if not isinstance(choice_value, str):
-        choice_value = choice_value.model_dump()
+    if choice is None:
+        choice = "auto"
+    elif not isinstance(choice, str):
+        choice = choice.model_dump()
     try:
-        grammar = tool_choice_grammar(tools, choice_value, bool(req.parallel_tool_calls))
-    except ValueError as e:
-        raise APIError(400, str(e), param=str(e).split(":")[0].split(".")[0]) from e
-    if choice_value == "none":
+        grammar = tool_choice_grammar(tools, choice, bool(req.parallel_tool_calls))
+    except ValueError as e:  # "tools.1.function.parameters (f): ..." or "tool_choice: ..."
+        raise APIError(400, str(e), param=re.match(r"\w+", str(e)).group()) from e
+    if choice == "none":
         # Rendered for the model to know, never called.
         return ToolPlan(
             tools, None if constrained else StructuredOutputsParams(grammar=grammar), False
@@ -69,9 +71,8 @@ def tool_message(text: str, reason: str | None) -> tuple[AssistantMessage, str |
         ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
         for c in parsed.calls
     ]
-    return AssistantMessage(content=parsed.content or None, tool_calls=calls), finish_reason(
-        reason, True
-    )
+    message = AssistantMessage(content=parsed.content or None, tool_calls=calls)
+    return message, finish_reason(reason, True)
 
 
 class ToolDeltas:
