@@ -1,4 +1,7 @@
-"""Structured output: what a request's text must match (vLLM's StructuredOutputsParams)."""
+"""Structured output: what a request's text must match (vLLM's StructuredOutputsParams).
+
+Only the settings, checked; engine/grammar.py compiles them (and imports llguidance and torch,
+which SamplingParams, and so the command line's --help, need not)."""
 
 from dataclasses import dataclass, fields
 
