@@ -54,8 +54,8 @@ def parse_tool_calls(text: str, final: bool = True) -> Parsed:
     first = text.find(CALL_START)
     if final and not calls:  # no call, or none that names a function: all of it is text
         return Parsed(text, [])
-    if first < 0:
-        return Parsed(_settled_text(text), calls)
+    if first < 0:  # so far only text
+        return Parsed(_settled_text(text), [])
     return Parsed(text[:first].rstrip(_WHITESPACE), calls)
 
 
