@@ -251,3 +251,81 @@ def test_a_chat_replay_has_no_transformers_baseline():
 
     with pytest.raises(ValueError, match="--baseline transformers cannot replay multi-turn"):
         baseline_for("multi-turn", "transformers")
+
+
+@pytest.mark.parametrize(
+    ("workload", "given", "chosen"),
+    [
+        ("offline", "auto", "unconstrained"),
+        ("offline", "none", "none"),
+        ("single", "unconstrained", "unconstrained"),
+    ],
+)
+def test_a_constrained_run_is_measured_against_itself_unconstrained(workload, given, chosen):
+    from tinyllm.entrypoints.bench.offline import baseline_for
+
+    assert baseline_for(workload, given, "json") == chosen
+
+
+@pytest.mark.parametrize(
+    ("workload", "given", "structured", "message"),
+    [
+        (
+            "offline",
+            "transformers",
+            "json",
+            "--structured compares with the same run unconstrained",
+        ),
+        ("multi-turn", "auto", "json", "--structured runs single-turn workloads"),
+        ("offline", "unconstrained", None, "--baseline unconstrained needs --structured"),
+    ],
+)
+def test_structured_baselines_that_cannot_compare(workload, given, structured, message):
+    from tinyllm.entrypoints.bench.offline import baseline_for
+
+    with pytest.raises(ValueError, match=message):
+        baseline_for(workload, given, structured)
+
+
+def test_summary_and_json_show_what_the_token_masks_cost():
+    from tinyllm.engine.grammar import GrammarStats
+
+    res = _result()
+    cost = GrammarStats(steps=100, rows=1600, forced=400, seconds=0.5)
+    runs = [dataclasses.replace(res.runs[0], engine="tinyllm json", grammar=cost), res.runs[1]]
+    res = dataclasses.replace(res, runs=runs)
+    assert (
+        "tinyllm json: token masks 5.00 ms per step (312 us per row, 5.0% of the run); 25% of "
+        "the 1600 constrained tokens were forced" in summary(res)
+    )
+    masks = to_json(res)["tinyllm"]["token_masks"]
+    assert masks == {
+        "steps": 100,
+        "rows": 1600,
+        "forced_rows": 400,
+        "seconds": 0.5,
+        "ms_per_step": 5.0,
+    }
+    assert to_json(res)["baseline"]["token_masks"] is None
+
+
+@pytest.mark.slow
+def test_a_constrained_run_and_its_baseline_make_the_same_tokens(default_config_llm):
+    """`--structured json`: each request ends where its JSON does (at most at its length); the
+    baseline then makes as many tokens per request, unconstrained; the masks' cost counts each
+    constrained token once, the warm-up's not."""
+    from tinyllm.engine.structured_output import StructuredOutputsParams
+    from tinyllm.entrypoints.bench.offline import run_tinyllm
+    from tinyllm.entrypoints.workloads import STRUCTURED_SCHEMAS, Request
+
+    asked = [Request(r.prompt_token_ids[:40], 24) for r in make_requests("offline", 49152, 0, 3)]
+    constraint = StructuredOutputsParams(json=STRUCTURED_SCHEMAS["json"])
+    run, made = run_tinyllm(default_config_llm, asked, "tinyllm json", constraint)
+    assert [m.prompt_token_ids for m in made] == [a.prompt_token_ids for a in asked]
+    assert all(1 <= m.max_tokens <= 24 for m in made)
+    cost = run.grammar
+    assert cost.rows == run.output_tokens == sum(m.max_tokens for m in made)
+    assert max(m.max_tokens for m in made) <= cost.steps <= cost.rows
+    assert 0 < cost.forced < cost.rows and cost.seconds > 0
+    base, same = run_tinyllm(default_config_llm, made, "unconstrained")
+    assert same == made and base.output_tokens == run.output_tokens and base.grammar is None

@@ -2,12 +2,13 @@
 
 import importlib
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 _HOMES = {
     "LLM": "tinyllm.entrypoints.llm",
     "SamplingParams": "tinyllm.engine.sampling_params",
+    "StructuredOutputsParams": "tinyllm.engine.structured_output",
     "RequestOutput": "tinyllm.engine.outputs",
     "CompletionOutput": "tinyllm.engine.outputs",
 }

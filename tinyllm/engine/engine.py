@@ -11,7 +11,10 @@ import logging
 import random
 from dataclasses import dataclass
 
+from llguidance import LLMatcher
+
 from tinyllm.engine.config import EngineConfig
+from tinyllm.engine.grammar import StructuredOutputCompiler
 from tinyllm.engine.kv_cache_manager import KVCacheManager
 from tinyllm.engine.memory import available_bytes
 from tinyllm.engine.model_runner import ModelRunner, kv_bytes_per_token
@@ -127,6 +130,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.kv.num_blocks, self.kv.block_size, backend)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.output_processor = OutputProcessor(tokenizer)
+        self.grammars = StructuredOutputCompiler(tokenizer, model.config.vocab_size)
         self.requests: dict[str, Request] = {}
         # n > 1: the parent by its id and by each child's
         self.parents: dict[str, ParentRequest] = {}
@@ -138,6 +142,12 @@ class LLMEngine:
     # -- API ------------------------------------------------------------------
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """ValueError naming the problem if the request cannot run: the prompt's length and
+        ids, the ids in `params`, a structured output that does not compile."""
+        self._check_prompt(prompt_token_ids, params)
+        self._matcher(params)
+
+    def _check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         n, limit = len(prompt_token_ids), self.max_model_len
         if n == 0:
             raise ValueError("the prompt is empty: give at least one token")
@@ -151,6 +161,10 @@ class LLMEngine:
         # SamplingParams checked their types; only the engine knows the vocabulary.
         check_token_ids("SamplingParams.stop_token_ids", params.stop_token_ids, vocab)
         check_token_ids("SamplingParams.logit_bias", list(params.logit_bias), vocab)
+
+    def _matcher(self, params: SamplingParams) -> LLMatcher | None:
+        so = params.structured_outputs
+        return None if so is None else self.grammars.matcher(so)
 
     def add_request(
         self,
@@ -166,18 +180,23 @@ class LLMEngine:
             ids = list(prompt_token_ids)
         else:
             ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
-        self.validate_prompt(ids, params)
+        self._check_prompt(ids, params)
+        matcher = self._matcher(params)  # compiled once; each of n completions gets a copy
         if request_id is None:
             request_id = next(i for i in map(str, self._ids) if self._id_free(i, params.n))
         elif not self._id_free(request_id, params.n):
             raise ValueError(f"request id {request_id!r} is already in use by a running request")
         if params.n == 1:
-            self._register([self._request(request_id, ids, params)], text)
+            self._register([self._request(request_id, ids, params, matcher)], text)
             return request_id
         parent = ParentRequest(request_id, _child_ids(request_id, params.n), params.output_kind)
+        # Each completion goes through the grammar on its own.
+        matchers = [matcher] * params.n
+        if matcher is not None:
+            matchers[1:] = [matcher.deep_copy() for _ in range(params.n - 1)]
         children = [
-            self._request(child, ids, one)
-            for child, one in zip(parent.child_ids, child_params(params), strict=True)
+            self._request(child, ids, one, m)
+            for child, one, m in zip(parent.child_ids, child_params(params), matchers, strict=True)
         ]
         self._register(children, text)
         self.parents[request_id] = parent
@@ -188,11 +207,14 @@ class LLMEngine:
         ids = [request_id, *(_child_ids(request_id, n) if n > 1 else [])]
         return not any(i in self.requests or i in self.parents for i in ids)
 
-    def _request(self, request_id: str, ids: list[int], params: SamplingParams) -> Request:
+    def _request(
+        self, request_id: str, ids: list[int], params: SamplingParams, matcher: LLMatcher | None
+    ) -> Request:
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else params.max_tokens
         seed = self._rng.getrandbits(63)
-        return Request(request_id, ids, params, max_tokens, self.tokenizer.eos_token_ids, seed)
+        eos = self.tokenizer.eos_token_ids
+        return Request(request_id, ids, params, max_tokens, eos, seed, matcher)
 
     def _register(self, requests: list[Request], text: str | None) -> None:
         for request in requests:
@@ -343,6 +365,7 @@ class LLMEngine:
         if request.status is not RequestStatus.FINISHED:
             self.scheduler.finish(request)
         self.requests.pop(request.request_id, None)
+        request.matcher = None  # its grammar state can be large; the request may be kept
 
 
 def _child_ids(request_id: str, n: int) -> list[str]:

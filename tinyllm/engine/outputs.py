@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+from tinyllm.text.tool_calls import ToolCall
+
 
 @dataclass
 class TokenLogprob:
@@ -20,6 +22,8 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: str | int | None = None  # the stop string or token that ended it
     logprobs: list[TokenLogprob] | None = None
+    # LLM.chat(tools=...): the calls parsed from `text` ([] for a text answer); else None.
+    tool_calls: list[ToolCall] | None = None
 
 
 @dataclass

@@ -3,6 +3,7 @@
 import enum
 
 import torch
+from llguidance import LLMatcher
 
 from tinyllm.engine.block_pool import BlockKey
 from tinyllm.engine.outputs import TokenLogprob
@@ -29,8 +30,12 @@ class Request:
         max_tokens: int,
         eos_token_ids: list[int],
         seed: int,
+        matcher: LLMatcher | None = None,
     ):
         self.request_id, self.params = request_id, params
+        # Structured output: where the output is in the grammar. The sampler advances it; a
+        # preempted request keeps it, since the tokens it accepted stay in the output.
+        self.matcher = matcher
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -82,5 +87,7 @@ class Request:
         self.all_token_ids.append(token)
         if token in self._stop_ids:
             self.finish_reason, self.stop_reason = "stop", token
+        elif self.matcher is not None and self.matcher.is_stopped():  # the grammar is complete
+            self.finish_reason = "stop"
         elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             self.finish_reason = "length"

@@ -7,8 +7,10 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
+from llguidance import LLMatcher
 from torch import Tensor
 
+from tinyllm.engine.grammar import GrammarMasks
 from tinyllm.engine.logprobs import token_logprobs
 from tinyllm.engine.outputs import TokenLogprob
 from tinyllm.engine.sampling_params import SamplingParams
@@ -28,23 +30,36 @@ class SamplerRequest(Protocol):
     def prompt_token_ids(self) -> list[int]: ...
     @property
     def output_token_ids(self) -> list[int]: ...  # generated so far
+    @property
+    def matcher(self) -> LLMatcher | None: ...  # structured output: where it is in the grammar
 
 
 class Sampler:
+    def __init__(self) -> None:
+        self.grammar = GrammarMasks()
+
     def __call__(
         self, logits: Tensor, requests: Sequence[SamplerRequest]
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits (R, V) float32, one row per request -> chosen tokens and their logprobs.
 
-        Logprobs are those of the model's own distribution (before penalties and temperature),
-        as vLLM and OpenAI report them."""
-        penalized = apply_penalties(logits, requests)
+        A constrained row (structured output) can only choose what its grammar allows: its mask
+        comes first, before penalties, temperature and the filters, and its matcher then
+        advances with the token. Logprobs are those of the model's own distribution (before
+        masks, penalties and temperature), as vLLM and OpenAI report them."""
+        constrained = [r for r, req in enumerate(requests) if req.matcher is not None]
+        matchers = [requests[r].matcher for r in constrained]
+        allowed = self.grammar.apply(logits, constrained, matchers) if constrained else logits
+        penalized = apply_penalties(allowed, requests)
         tokens = penalized.argmax(-1)
         sampled = [r for r, req in enumerate(requests) if not req.params.greedy]
         if sampled:
             rows = torch.tensor(sampled, device=logits.device)
             tokens[rows] = _draw(penalized[rows], [requests[r] for r in sampled])
-        return tokens.tolist(), _logprobs(logits, tokens, requests)
+        chosen = tokens.tolist()
+        if constrained:
+            self.grammar.advance(matchers, [chosen[r] for r in constrained])
+        return chosen, _logprobs(logits, tokens, requests)
 
 
 def apply_penalties(logits: Tensor, requests: Sequence[SamplerRequest]) -> Tensor:

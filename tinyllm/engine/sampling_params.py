@@ -5,6 +5,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from tinyllm.engine.structured_output import StructuredOutputsParams
 from tinyllm.engine.validation import is_int, is_real, kind_of, show
 
 # Below this a temperature means greedy: dividing logits by it would overflow (vLLM's value).
@@ -73,6 +74,9 @@ _RULES = {
     "skip_special_tokens": _Rule(_is(bool), _any, "True or False"),
     "n": _Rule(is_int, lambda v: 1 <= v <= 256, "an integer in [1, 256]"),
     "output_kind": _Rule(_is(RequestOutputKind), _any, "a RequestOutputKind"),
+    "structured_outputs": _Rule(
+        _optional(_is(StructuredOutputsParams)), _any, "a StructuredOutputsParams (or None)"
+    ),
 }
 # The list fields: the rule for the list, then for each of its items.
 _IS_LIST = _is(list, tuple, set, frozenset)
@@ -119,6 +123,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     n: int = 1  # completions per prompt; the engine expands a request into n
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # The output must match a JSON schema, regex, choice or grammar (engine/structured_output.py).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         """Every field's type and range, checked here once so that nothing wrong reaches the

@@ -4,6 +4,7 @@ import argparse
 import contextlib
 import dataclasses
 import faulthandler
+import json
 import logging
 import sys
 import time
@@ -12,6 +13,7 @@ from collections.abc import Callable, Iterator
 from tqdm import tqdm
 
 from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
+from tinyllm.engine.structured_output import StructuredOutputsParams
 from tinyllm.entrypoints.args import add_engine_args, build_llm
 from tinyllm.entrypoints.bench.args import add_bench_args
 from tinyllm.entrypoints.generation_config import DEFAULT_MAX_TOKENS
@@ -73,9 +75,62 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _json_schema_file(path: str) -> StructuredOutputsParams:
+    try:
+        with open(path, encoding="utf-8") as f:
+            schema = json.load(f)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{path} is not JSON: {e}") from None
+    except UnicodeDecodeError:
+        raise argparse.ArgumentTypeError(f"{path} is not UTF-8 text") from None
+    if not isinstance(schema, dict):
+        raise argparse.ArgumentTypeError(
+            f"{path} holds {type(schema).__name__}, not a JSON schema (an object)"
+        )
+    return StructuredOutputsParams(json=schema)
+
+
+def _choice(text: str) -> StructuredOutputsParams:
+    choices = text.split(",")
+    if "" in choices:
+        raise argparse.ArgumentTypeError(f"{text!r}: a choice is empty (give a,b,c)")
+    return StructuredOutputsParams(choice=choices)
+
+
+def _structured_args(p: argparse.ArgumentParser) -> None:
+    """At most one constraint on the output, checked as it is parsed (it compiles once the
+    model's tokenizer is loaded: an invalid regex is an error then, before generating)."""
+    group = p.add_mutually_exclusive_group()
+    kw = {"dest": "structured_outputs", "default": None}
+    group.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        type=_json_schema_file,
+        help="the answer is JSON valid under the JSON schema in FILE",
+        **kw,
+    )
+    group.add_argument(
+        "--regex",
+        metavar="R",
+        type=lambda r: StructuredOutputsParams(regex=r),
+        help="the answer matches the regular expression R (all of it)",
+        **kw,
+    )
+    group.add_argument(
+        "--choice",
+        metavar="A,B,C",
+        type=_choice,
+        help="the answer is exactly one of these comma-separated strings",
+        **kw,
+    )
+
+
 def _params(llm, args: argparse.Namespace) -> SamplingParams:
     """The model's default sampling settings, with the flags the user typed on top."""
     typed = {name: getattr(args, name) for name in [*_SAMPLING_FLAGS, "seed"]}
+    typed["structured_outputs"] = getattr(args, "structured_outputs", None)
     given = {name: value for name, value in typed.items() if value is not None}
     return dataclasses.replace(llm.get_default_sampling_params(), **given)
 
@@ -193,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     add_engine_args(g)
     _sampling_args(g)
+    _structured_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = _command(sub, "chat", "interactive multi-turn chat on the terminal")

@@ -13,6 +13,7 @@ from tinyllm.engine.engine import LLMEngine
 from tinyllm.engine.memory import release_free_heap
 from tinyllm.engine.outputs import RequestOutput
 from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
+from tinyllm.engine.structured_output import StructuredOutputsParams
 from tinyllm.entrypoints.generation_config import check_generation_config, default_sampling
 from tinyllm.entrypoints.threads import set_threads, warn_if_oversubscribed
 from tinyllm.loaders.source import load_model, open_model
@@ -20,6 +21,8 @@ from tinyllm.model.config import ModelLoadError
 from tinyllm.model.llama import Transformer, fuse_projections
 from tinyllm.model.precision import resolve_dtype, resolve_quantization
 from tinyllm.model.quant import describe_weights, quantize_linears
+from tinyllm.text.tool_calls import parse_tool_calls
+from tinyllm.text.tool_grammar import tool_choice_grammar
 
 log = logging.getLogger("tinyllm")
 
@@ -144,13 +147,41 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict = "auto",
+        parallel_tool_calls: bool = False,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
+        """Apply the model's chat template to one conversation or a list of them.
+
+        `tools` and `tool_choice` as OpenAI's API takes them ("none", "auto", "required" or
+        {"type": "function", "function": {"name": ...}}): the tools go into the prompt, the
+        answer is constrained to well-formed calls (tinyllm.text.tool_grammar) and each
+        completion's `tool_calls` holds the calls parsed from its `text`. One call per answer
+        unless `parallel_tool_calls` (a small model allowed more tends to repeat its call)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if not conversations:
             raise ValueError("no conversation given: pass a list of messages")
-        encoded = [self.tokenizer.encode_chat(c) for c in conversations]
-        return self._submit(encoded, params, use_tqdm)
+        encoded = [self.tokenizer.encode_chat(c, tools=tools) for c in conversations]
+        if not tools:
+            return self._submit(encoded, params, use_tqdm)
+        grammar = tool_choice_grammar(tools, tool_choice, parallel_tool_calls)
+        if not isinstance(params, list):
+            params = [params or self.get_default_sampling_params()] * len(encoded)
+        constraint = StructuredOutputsParams(grammar=grammar)
+        if tool_choice != "none" and any(p.structured_outputs is not None for p in params):
+            raise ValueError(
+                "SamplingParams.structured_outputs with tools: an answer cannot be both a call "
+                "and that; use tool_choice='none' or drop one"
+            )
+        params = [
+            p if p.structured_outputs else dataclasses.replace(p, structured_outputs=constraint)
+            for p in params
+        ]
+        outputs = self._submit(encoded, params, use_tqdm)
+        if tool_choice != "none":
+            for completion in (c for out in outputs for c in out.outputs):
+                completion.tool_calls = parse_tool_calls(completion.text).calls
+        return outputs
 
     def _submit(
         self,

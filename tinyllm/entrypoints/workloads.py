@@ -54,6 +54,30 @@ WORKLOADS = {
 # Run in-process by `tinyllm bench NAME`; `serve` is sent to a server by `tinyllm bench serve`.
 OFFLINE_WORKLOADS = ("offline", "offline-small", "shared-prefix", "single", "multi-turn")
 
+# `tinyllm bench WORKLOAD --structured json`: every output is JSON under this schema, records
+# in a list with no length limit, so a request can fill its output length (or end early, where
+# the model closes the list).
+_RECORD = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "name": {"type": "string", "maxLength": 24},
+        "tags": {"type": "array", "items": {"enum": ["new", "old", "hot"]}, "maxItems": 3},
+        "score": {"type": "number"},
+        "active": {"type": "boolean"},
+    },
+    "required": ["id", "name", "score", "active"],
+    "additionalProperties": False,
+}
+STRUCTURED_SCHEMAS = {
+    "json": {
+        "type": "object",
+        "properties": {"records": {"type": "array", "items": _RECORD}},
+        "required": ["records"],
+        "additionalProperties": False,
+    }
+}
+
 
 def check_workload(name: str, num_requests: int | None = None) -> None:
     if name not in WORKLOADS:

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from tinyllm.entrypoints.args import add_engine_args
-from tinyllm.entrypoints.workloads import OFFLINE_WORKLOADS, WORKLOADS
+from tinyllm.entrypoints.workloads import OFFLINE_WORKLOADS, STRUCTURED_SCHEMAS, WORKLOADS
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 # The default model's; random prompt ids stay below it, so any larger vocabulary works too.
@@ -40,10 +40,20 @@ def _offline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--baseline",
         default="auto",
-        choices=["auto", "transformers", "no-prefix-caching", "none"],
-        help="measured in the same run: HF transformers (fp32, static batches of 16), or "
-        "tinyllm with prefix caching off; auto: the latter for shared-prefix and multi-turn, "
+        choices=["auto", "transformers", "no-prefix-caching", "unconstrained", "none"],
+        help="measured in the same run: HF transformers (fp32, static batches of 16), "
+        "tinyllm with prefix caching off, or (with --structured) tinyllm unconstrained; auto: "
+        "unconstrained with --structured, else caching off for shared-prefix and multi-turn, "
         "else transformers",
+    )
+    p.add_argument(
+        "--structured",
+        choices=list(STRUCTURED_SCHEMAS),
+        default=None,
+        help="constrain every request's output: json, a JSON schema (a list of records). A "
+        "request ends where its JSON does; the unconstrained baseline then makes the same "
+        "number of tokens per request. Reports the time spent on token masks per step "
+        "(default: unconstrained)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument(

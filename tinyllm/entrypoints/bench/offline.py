@@ -19,8 +19,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from tinyllm.engine.engine import LLMEngine
+from tinyllm.engine.grammar import GrammarStats
 from tinyllm.engine.outputs import RequestOutput
 from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.engine.structured_output import StructuredOutputsParams
 from tinyllm.entrypoints.args import build_llm, engine_options
 from tinyllm.entrypoints.bench.baseline import load_transformers, run_transformers
 from tinyllm.entrypoints.bench.machine import measure_machine
@@ -33,7 +35,13 @@ from tinyllm.entrypoints.bench.report import (
     threads,
     write_json,
 )
-from tinyllm.entrypoints.workloads import WORKLOADS, Request, check_workload, make_requests
+from tinyllm.entrypoints.workloads import (
+    STRUCTURED_SCHEMAS,
+    WORKLOADS,
+    Request,
+    check_workload,
+    make_requests,
+)
 from tinyllm.model.llama import Transformer
 from tinyllm.model.quant import describe_weights
 
@@ -69,26 +77,38 @@ def weight_bytes_per_token(model: Transformer) -> int:
     return total
 
 
-def _greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+def _greedy(max_tokens: int, constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=0, ignore_eos=True, structured_outputs=constraint
+    )
 
 
 class EngineRun:
-    """Drives an engine to the end, noting each request's time to first token and the prefix
-    cache's hits. The warm-up leaves the cache empty, so every run starts cold."""
+    """Drives an engine to the end, noting each request's time to first token, the prefix
+    cache's hits and what constrained decoding cost. The warm-up (under the same constraint, so
+    the tokenizer's grammar tables are built before the clock starts) leaves the cache empty, so
+    every run starts cold."""
 
-    def __init__(self, engine: "LLMEngine", warmup: Request) -> None:
-        self.engine = engine
-        engine.add_request(warmup.prompt_token_ids, _greedy(2), "warmup")
+    def __init__(
+        self, engine: "LLMEngine", warmup: Request, constraint: StructuredOutputsParams | None
+    ) -> None:
+        self.engine, self.constraint = engine, constraint
+        engine.add_request(warmup.prompt_token_ids, _greedy(2, constraint), "warmup")
         while engine.has_unfinished():
             engine.step()
         engine.reset_prefix_cache()
         self._stats = engine.stats()
+        self._grammar = dataclasses.replace(self._grammar_stats)
         self.submitted: dict[str, float] = {}
         self.ttft: dict[str, float] = {}
 
+    @property
+    def _grammar_stats(self) -> GrammarStats:
+        return self.engine.runner.sampler.grammar.stats
+
     def add(self, request_id: str, request: Request) -> None:
-        self.engine.add_request(request.prompt_token_ids, _greedy(request.max_tokens), request_id)
+        params = _greedy(request.max_tokens, self.constraint)
+        self.engine.add_request(request.prompt_token_ids, params, request_id)
         self.submitted[request_id] = time.perf_counter()
 
     def run(self, on_finished: Callable[[RequestOutput], None] = lambda out: None) -> None:
@@ -105,9 +125,21 @@ class EngineRun:
         queried = now.prefix_cache_queries - then.prefix_cache_queries
         return (now.prefix_cache_hits - then.prefix_cache_hits) / queried if queried else None
 
+    @property
+    def grammar(self) -> GrammarStats | None:
+        """Constrained decoding's cost in this run; None for an unconstrained one."""
+        return None if self.constraint is None else self._grammar_stats - self._grammar
 
-def run_tinyllm(llm: "LLM", requests: list[Request], name: str = "tinyllm") -> Run:
-    bench = EngineRun(llm.engine, requests[0])
+
+def run_tinyllm(
+    llm: "LLM",
+    requests: list[Request],
+    name: str = "tinyllm",
+    constraint: StructuredOutputsParams | None = None,
+) -> tuple[Run, list[Request]]:
+    """The run, and the requests as made: under a constraint a request ends where its grammar
+    does, at most at its max_tokens; unconstrained (EOS ignored) it makes them all."""
+    bench = EngineRun(llm.engine, requests[0], constraint)
     t = time.perf_counter()
     for i, r in enumerate(requests):
         bench.add(str(i), r)
@@ -115,10 +147,12 @@ def run_tinyllm(llm: "LLM", requests: list[Request], name: str = "tinyllm") -> R
     bench.run(lambda out: made.__setitem__(out.request_id, len(out.token_ids)))
     seconds = time.perf_counter() - t
     for i, r in enumerate(requests):
-        if made[str(i)] != r.max_tokens:
+        if made[str(i)] > r.max_tokens or (constraint is None and made[str(i)] != r.max_tokens):
             raise RuntimeError(f"tinyllm made {made[str(i)]} tokens, asked {r.max_tokens}")
+    requests = [Request(r.prompt_token_ids, made[str(i)]) for i, r in enumerate(requests)]
     ttft = statistics.fmean(bench.ttft.values())
-    return measured(name, requests, seconds, ttft=ttft, hit_rate=bench.hit_rate)
+    run = measured(name, requests, seconds, ttft=ttft, hit_rate=bench.hit_rate)
+    return dataclasses.replace(run, grammar=bench.grammar), requests
 
 
 def run_chat_replay(
@@ -127,7 +161,7 @@ def run_chat_replay(
     """Every conversation's turns in order, all conversations at once: a turn is sent when the
     previous one's answer is in, its prompt the conversation so far plus its new tokens. Returns
     the run and the requests as sent (whole prompts), for the token and FLOP counts."""
-    bench = EngineRun(llm.engine, conversations[0][0])
+    bench = EngineRun(llm.engine, conversations[0][0], None)
     sent: list[Request] = []
     history = [[] for _ in conversations]
 
@@ -173,20 +207,37 @@ def without_prefix_caching(llm: "LLM") -> "LLM":
     return other
 
 
-def baseline_for(workload: str, baseline: str) -> str:
-    """--baseline auto: tinyllm without prefix caching where the workload is about the cache,
-    else transformers. A chat replay has no transformers baseline."""
+def baseline_for(workload: str, baseline: str, structured: str | None = None) -> str:
+    """--baseline auto: with --structured the same run unconstrained; else tinyllm without
+    prefix caching where the workload is about the cache, else transformers. A chat replay has
+    no transformers baseline and no constraint; only a constrained run has an unconstrained
+    baseline, and it has no other (it ends requests early)."""
+    chat = WORKLOADS[workload].turns > 1
+    if structured is not None:
+        if chat:
+            raise ValueError(f"--structured runs single-turn workloads, not {workload}'s chats")
+        if baseline not in ("auto", "unconstrained", "none"):
+            raise ValueError(
+                f"--structured compares with the same run unconstrained, not {baseline}: "
+                "--baseline auto, unconstrained or none"
+            )
+        return "unconstrained" if baseline == "auto" else baseline
+    if baseline == "unconstrained":
+        raise ValueError("--baseline unconstrained needs --structured (what to constrain)")
     about_cache = workload in ("shared-prefix", "multi-turn")
     if baseline == "auto":
         return "no-prefix-caching" if about_cache else "transformers"
-    if baseline == "transformers" and WORKLOADS[workload].turns > 1:
+    if baseline == "transformers" and chat:
         raise ValueError(f"--baseline transformers cannot replay {workload}'s chats: use auto")
     return baseline
 
 
 def run_bench(args: argparse.Namespace) -> None:
     check_workload(args.workload, args.num_requests)  # before a minute of model loading
-    baseline = baseline_for(args.workload, args.baseline)
+    baseline = baseline_for(args.workload, args.baseline, args.structured)
+    constraint = None
+    if args.structured is not None:
+        constraint = StructuredOutputsParams(json=STRUCTURED_SCHEMAS[args.structured])
     _phase(f"loading tinyllm ({args.model or 'the default model'})")
     llm = build_llm(args)
     model = llm.engine.model
@@ -201,17 +252,24 @@ def run_bench(args: argparse.Namespace) -> None:
     _phase(f"measuring the machine: fp32 GEMM rate and copy bandwidth ({device.type})")
     machine = measure_machine(device)
 
-    def run(llm: "LLM", name: str) -> tuple[Run, list[Request]]:
-        """The run, and its requests as sent (a chat replay's turns with their histories)."""
+    def run(
+        llm: "LLM", name: str, constraint: StructuredOutputsParams | None = None
+    ) -> tuple[Run, list[Request]]:
+        """The run, and its requests as made (a chat replay's turns with their histories)."""
         if turns == 1:
-            return run_tinyllm(llm, requests, name), requests
+            return run_tinyllm(llm, requests, name, constraint)
         return run_chat_replay(llm, conversations, name)
 
     what = f"{len(conversations)} conversations" if turns > 1 else f"{len(requests)} requests"
-    _phase(f"running tinyllm: {args.workload}, {what}, {threads(machine.threads)}")
-    first, sent = run(llm, "tinyllm")
+    under = f", every output JSON under a schema ({args.structured})" if constraint else ""
+    _phase(f"running tinyllm: {args.workload}, {what}{under}, {threads(machine.threads)}")
+    first, sent = run(llm, f"tinyllm {args.structured}" if constraint else "tinyllm", constraint)
     runs = [first]
-    if hf is not None:
+    if baseline == "unconstrained":
+        _phase(f"running the baseline: tinyllm unconstrained, {threads(machine.threads)}")
+        requests = sent  # the same prompts, each making the tokens it made constrained
+        runs.append(run(llm, "unconstrained")[0])
+    elif hf is not None:
         _phase(f"running the baseline: transformers, {threads(machine.threads)}")
         runs.append(run_transformers(hf, requests))
     elif baseline == "no-prefix-caching":

@@ -4,6 +4,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from tinyllm.engine.grammar import GrammarStats
 from tinyllm.entrypoints.bench.machine import Machine
 from tinyllm.entrypoints.workloads import Request
 
@@ -22,6 +23,7 @@ class Run:
     ttft: float | None = None  # mean seconds from a request's submission to its first token
     hit_rate: float | None = None  # prefix cache: hit / queried prompt tokens
     ttft_by_turn: tuple[float, ...] | None = None  # a chat replay's mean TTFT at each turn
+    grammar: GrammarStats | None = None  # a constrained run's token masks: their cost
 
     @property
     def output_rate(self) -> float:
@@ -115,12 +117,27 @@ def summary(res: OfflineResult) -> str:
         if r.ttft_by_turn:
             turns = " ".join(f"{1e3 * t:.0f}" for t in r.ttft_by_turn)
             lines.append(f"{r.engine}: TTFT by turn, ms: {turns}")
+    for r in res.runs:
+        if r.grammar is not None:
+            lines.append(_grammar_line(r))
     if first.requests == 1:  # one stream: each output token is a decode step
         lines.append(
             f"single stream: tinyllm {first.output_rate:.1f} tok/s, "
             f"{first.output_rate / res.bandwidth_bound:.0%} of the bandwidth bound"
         )
     return "\n".join(lines)
+
+
+def _grammar_line(r: Run) -> str:
+    g = r.grammar
+    per_step = g.seconds / g.steps if g.steps else 0.0
+    per_row = g.seconds / g.rows if g.rows else 0.0
+    forced = g.forced / g.rows if g.rows else 0.0
+    return (
+        f"{r.engine}: token masks {1e3 * per_step:.2f} ms per step ({1e6 * per_row:.0f} us per "
+        f"row, {g.seconds / r.seconds:.1%} of the run); {forced:.0%} of the {g.rows} constrained "
+        "tokens were forced (the mask allowed one token), and sampled like any other"
+    )
 
 
 # -- JSON ----------------------------------------------------------------------------------------
@@ -139,6 +156,17 @@ def _run_json(r: Run, res: OfflineResult) -> dict:
         "ttft_s": r.ttft,
         "prefix_cache_hit_rate": r.hit_rate,
         "ttft_by_turn_s": list(r.ttft_by_turn) if r.ttft_by_turn else None,
+        "token_masks": None if r.grammar is None else _grammar_json(r.grammar),
+    }
+
+
+def _grammar_json(g: GrammarStats) -> dict:
+    return {
+        "steps": g.steps,
+        "rows": g.rows,
+        "forced_rows": g.forced,
+        "seconds": g.seconds,
+        "ms_per_step": 1e3 * g.seconds / g.steps if g.steps else None,
     }
 
 

@@ -117,8 +117,9 @@ def create_app(
                 encode, tokenizer, req.prompt, req.add_special_tokens, "prompt"
             )
         else:
+            tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
             prompt = await run_in_threadpool(
-                chat_prompt, tokenizer, req.messages, req.add_generation_prompt
+                chat_prompt, tokenizer, req.messages, req.add_generation_prompt, tools or None
             )
             tokens = prompt.token_ids
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}

@@ -21,8 +21,8 @@ log = logging.getLogger("tinyllm.server")
 DISCONNECT_POLL_S = 0.5
 
 # (choice, new text, its tokens' logprobs, finish reason, where its generated part starts in
-# everything streamed for the choice) -> one chunk
-ChunkFn = Callable[[Choice, str, list[TokenLogprob] | None, str | None, int], BaseModel]
+# everything streamed for the choice) -> one chunk, or None when there is nothing to send yet
+ChunkFn = Callable[[Choice, str, list[TokenLogprob] | None, str | None, int], BaseModel | None]
 
 
 @dataclass
@@ -181,7 +181,9 @@ async def sse(
                     continue
                 start = streamed[choice.index]
                 streamed[choice.index] += len(text)
-                yield _event(chunk(choice, text, new, out.finish_reason, start + len(prefix)))
+                event = chunk(choice, text, new, out.finish_reason, start + len(prefix))
+                if event is not None:
+                    yield _event(event)
         if usage_chunk is not None:
             yield _event(usage_chunk(gen.usage()))
     except APIError as e:

@@ -12,6 +12,11 @@ TokenIds = list[int]
 StopStrings = Annotated[list[str], Field(max_length=16)]
 
 
+def _omitted_if_none() -> Any:
+    """A response field left out of the JSON when it is None (OpenAI omits it)."""
+    return Field(None, exclude_if=lambda v: v is None)
+
+
 class _Request(BaseModel):
     # strict: "16" is not a number and 1.5 is not a token count. Unknown fields are kept (not
     # refused, clients send many) so the server can log which ones it ignored.
@@ -20,6 +25,29 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool | None = None
+
+
+class JsonSchemaFormat(_Request):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    # "schema" would shadow pydantic's own BaseModel.schema.
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's `structured_outputs` field: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class SamplingRequest(_Request):
@@ -42,6 +70,8 @@ class SamplingRequest(_Request):
     user: str | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -57,14 +87,55 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # role "tool": the call it answers
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    # Every tool is rendered into the prompt, so a few hundred is already more than any model
+    # can use.
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # Off unless asked for (llama.cpp's default; OpenAI's is on): a small model allowed several
+    # calls tends to repeat its call until max_tokens cuts one.
+    parallel_tool_calls: bool | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
@@ -75,6 +146,7 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # with messages: rendered as chat completions would
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -136,9 +208,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprob]
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = _omitted_if_none()
 
 
 class ChatChoice(BaseModel):
@@ -157,9 +241,24 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionDelta(BaseModel):
+    name: str | None = _omitted_if_none()
+    arguments: str
+
+
+class ToolCallDelta(BaseModel):
+    """OpenAI's streamed call: index, id, type and name in its first delta, then arguments."""
+
+    index: int
+    id: str | None = _omitted_if_none()
+    type: Literal["function"] | None = _omitted_if_none()
+    function: FunctionDelta
+
+
 class Delta(BaseModel):
-    role: str | None = Field(None, exclude_if=lambda v: v is None)
-    content: str | None = Field(None, exclude_if=lambda v: v is None)
+    role: str | None = _omitted_if_none()
+    content: str | None = _omitted_if_none()
+    tool_calls: list[ToolCallDelta] | None = _omitted_if_none()
 
 
 class ChatChunkChoice(BaseModel):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from tinyllm.engine.engine import LLMEngine
 from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
+from tinyllm.engine.structured_output import StructuredOutputsParams
 from tinyllm.entrypoints.server.errors import APIError, invalid_params
 from tinyllm.entrypoints.server.protocol import (
     ChatCompletionRequest,
@@ -34,6 +35,14 @@ class Choice:
     params: SamplingParams  # its request's: n completions
 
 
+@dataclass
+class Constraint:
+    """What the answer must match, and the request field it came from (errors name it)."""
+
+    params: StructuredOutputsParams
+    where: str  # "response_format.json_schema.schema", "structured_outputs.regex", "tools"...
+
+
 MAX_CHOICES = 256  # engine requests one HTTP request may start (prompts x n)
 
 
@@ -57,8 +66,40 @@ def completion_prompts(
     ]
 
 
+def request_constraint(req: SamplingRequest) -> Constraint | None:
+    """response_format or vLLM's structured_outputs as StructuredOutputsParams (not both)."""
+    fmt, so = req.response_format, req.structured_outputs
+    if fmt is not None and fmt.type != "text" and so is not None:
+        raise APIError(
+            400, "give response_format or structured_outputs, not both", param="response_format"
+        )
+    if so is not None:
+        try:
+            fields = so.model_dump(exclude_none=True, by_alias=True)
+            where = f"structured_outputs.{next(iter(fields), '')}".rstrip(".")
+            return Constraint(StructuredOutputsParams(**fields), where)
+        except ValueError as e:
+            message = str(e).removeprefix("StructuredOutputsParams")
+            raise APIError(400, f"structured_outputs{message}", param="structured_outputs") from e
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return Constraint(StructuredOutputsParams(json_object=True), "response_format")
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise APIError(
+            400,
+            "response_format: type json_schema needs json_schema.schema",
+            param="response_format",
+        )
+    schema = fmt.json_schema.schema_
+    return Constraint(StructuredOutputsParams(json=schema), "response_format.json_schema.schema")
+
+
 def chat_prompt(
-    tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True
+    tokenizer: Tokenizer,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
 ) -> Prompt:
     conversation = []
     for i, m in enumerate(messages):
@@ -74,7 +115,7 @@ def chat_prompt(
             message["content"] = "".join(p.text or "" for p in m.content)
         conversation.append(message)
     try:
-        text, ids = tokenizer.encode_chat(conversation, add_generation_prompt)
+        text, ids = tokenizer.encode_chat(conversation, add_generation_prompt, tools)
     except ValueError as e:  # no template, the template refused the conversation, or not text
         raise APIError(400, str(e), param="messages") from e
     return Prompt(ids, text)
@@ -90,6 +131,7 @@ def plan_choices(
     logprobs: int | None,
     defaults: SamplingParams,
     max_tokens_param: str = "max_tokens",
+    constraint: Constraint | None = None,
     prompt_logprobs: int | None = None,
 ) -> list[Choice]:
     """n choices per prompt, numbered prompt by prompt. A field the request leaves out takes its
@@ -97,7 +139,9 @@ def plan_choices(
     context; an explicit `max_tokens` that does not fit it is an error, a default is cut to fit."""
     vocab = engine.model.config.vocab_size
     base = _params(req, 1 if max_tokens is None else max_tokens, logprobs, vocab, defaults)
-    base.prompt_logprobs = prompt_logprobs
+    base = dataclasses.replace(base, prompt_logprobs=prompt_logprobs)
+    if constraint is not None:
+        base = dataclasses.replace(base, structured_outputs=constraint.params)
     limit, n = engine.max_model_len, req.n or 1
     if len(prompts) * n > MAX_CHOICES:
         raise APIError(
@@ -110,6 +154,11 @@ def plan_choices(
         except ValueError as e:
             if str(e).startswith("SamplingParams."):  # a stop_token_ids or logit_bias id
                 raise invalid_params(e) from e
+            if str(e).startswith("structured_outputs.") and constraint is not None:
+                # It did not compile: say so in the words of the field the client sent.
+                detail = str(e).split(": ", 1)[-1]
+                where = constraint.where
+                raise APIError(400, f"{where}: {detail}", param=where.split(".")[0]) from e
             code = "context_length_exceeded" if len(prompt.token_ids) >= limit else None
             param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
             raise APIError(400, str(e), param=param, code=code) from e

@@ -33,11 +33,14 @@ from tinyllm.entrypoints.server.protocol import (
 )
 from tinyllm.entrypoints.server.sampling import (
     Choice,
+    Constraint,
     Prompt,
     chat_prompt,
     completion_prompts,
     plan_choices,
+    request_constraint,
 )
+from tinyllm.entrypoints.server.tools import ToolDeltas, plan_tools, tool_message
 
 log = logging.getLogger("tinyllm.server")
 
@@ -74,6 +77,7 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         include_usage = self._common_checks(req)
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        constraint = request_constraint(req)
         prompts = await run_in_threadpool(completion_prompts, self.tokenizer, req.prompt)
         choices = plan_choices(
             self.engine,
@@ -84,6 +88,7 @@ class OpenAIServing:
             self.default_max_tokens or COMPLETION_MAX_TOKENS,
             req.logprobs,
             self.defaults,
+            constraint=constraint,
             # echo with logprobs: the prompt's tokens get theirs too (the first has none).
             prompt_logprobs=req.logprobs if req.echo else None,
         )
@@ -138,7 +143,13 @@ class OpenAIServing:
         if max_tokens is None:
             max_tokens, param = req.max_tokens, "max_tokens"
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        prompt = await run_in_threadpool(chat_prompt, self.tokenizer, req.messages)
+        constraint = request_constraint(req)
+        tools = plan_tools(req, constraint is not None)
+        if tools.constraint is not None:
+            constraint = Constraint(tools.constraint, "tools")
+        prompt = await run_in_threadpool(
+            chat_prompt, self.tokenizer, req.messages, tools=tools.tools
+        )
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         choices = plan_choices(
             self.engine,
@@ -150,8 +161,10 @@ class OpenAIServing:
             logprobs,
             self.defaults,
             param,
+            constraint,
         )
         created = int(time.time())
+        streams = {c.index: ToolDeltas() for c in choices} if tools.parse else {}
 
         def chunk(choices: list[ChatChunkChoice], usage=None) -> ChatCompletionChunk:
             return ChatCompletionChunk(
@@ -160,11 +173,16 @@ class OpenAIServing:
 
         def delta(c: Choice, text: str, lps: list[TokenLogprob] | None, reason, _start: int):
             logprobs = self._chat_logprobs(lps) if lps is not None else None
+            new = Delta(content=text or None)
+            if tools.parse:  # calls become tool_calls deltas; no markup reaches content
+                new, reason = streams[c.index].delta(text, reason)
+                if new is None and reason is None and logprobs is None:
+                    return None
             return chunk(
                 [
                     ChatChunkChoice(
                         index=c.index,
-                        delta=Delta(content=text or None),
+                        delta=new or Delta(),
                         logprobs=logprobs,
                         finish_reason=reason,
                     )
@@ -192,12 +210,15 @@ class OpenAIServing:
         for c in choices:
             out = gen.results[c.index]
             lps = out.logprobs
+            message, reason = AssistantMessage(content=out.text), out.finish_reason
+            if tools.parse:
+                message, reason = tool_message(out.text, reason)
             done.append(
                 ChatChoice(
                     index=c.index,
-                    message=AssistantMessage(content=out.text),
+                    message=message,
                     logprobs=self._chat_logprobs(lps) if lps is not None else None,
-                    finish_reason=out.finish_reason,
+                    finish_reason=reason,
                 )
             )
         return ChatCompletionResponse(

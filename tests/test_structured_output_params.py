@@ -1,0 +1,54 @@
+"""StructuredOutputsParams: exactly one constraint, of the right type, named when wrong."""
+
+import pytest
+
+import tinyllm
+from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.engine.structured_output import StructuredOutputsParams
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        {"json": {"type": "object"}},
+        {"json": '{"type": "integer"}'},
+        {"json_object": True},
+        {"regex": r"\d+"},
+        {"choice": ["yes", "no"]},
+        {"grammar": 'start: "a"'},
+    ],
+)
+def test_one_constraint_is_accepted(given: dict) -> None:
+    params = StructuredOutputsParams(**given)
+    assert SamplingParams(structured_outputs=params).structured_outputs is params
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({}, r"set exactly one of json, json_object, regex, choice, grammar; none were given"),
+        ({"json": {}, "regex": "a"}, r"2 \(json, regex\) were given"),
+        ({"json": 3}, r"StructuredOutputsParams\.json=3 must be dict or str, not an int"),
+        ({"json_object": "yes"}, r"json_object='yes' must be bool, not a str"),
+        ({"regex": b"a"}, r"regex=b'a' must be str, not a bytes"),
+        ({"choice": "a,b"}, r"choice='a,b' must be list or tuple, not a str"),
+        ({"choice": []}, r"choice=\[\] must be a non-empty list of non-empty strings"),
+        ({"choice": ["a", 1]}, r"choice=\['a', 1\] must be a non-empty list"),
+        ({"choice": ["a", ""]}, r"must be a non-empty list of non-empty strings"),
+        ({"grammar": ""}, r"StructuredOutputsParams\.grammar is empty"),
+    ],
+)
+def test_bad_params_name_the_field(given: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputsParams(**given)
+
+
+def test_sampling_params_checks_the_type() -> None:
+    with pytest.raises(ValueError, match=r"structured_outputs=\{.*\} must be a StructuredOutputs"):
+        SamplingParams(structured_outputs={"json": {}})
+
+
+def test_exported_and_choice_copied() -> None:
+    assert tinyllm.StructuredOutputsParams is StructuredOutputsParams
+    choices = ("a", "b")
+    assert StructuredOutputsParams(choice=choices).choice == ["a", "b"]
