@@ -155,15 +155,15 @@ def attend_span(backend, args, first: int, end: int, scale: float) -> torch.Tens
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D", [8, 64, 128])
 def test_a_tokens_bits_do_not_depend_on_what_shares_its_step(backend, dtype, D):
-    """A token's output is the same bits as a decode (alone), in a chunk of 3, 8, 11 or 37 new
-    tokens wherever the chunk starts, and at another thread count. The kernel gives up to 8 of
-    a row's tokens one work item, sharing each tile of keys; a query's arithmetic must still
-    depend only on its position and keys. 101 tokens: tiles of 32 and blocks of 16 end
+    """A token's output is the same bits as a decode (alone), in a chunk of 3, 11, 16, 17 or 37
+    new tokens wherever the chunk starts, and at another thread count. The kernel gives up to
+    16 of a row's tokens one work item, sharing each tile of keys; a query's arithmetic must
+    still depend only on its position and keys. 101 tokens: tiles of 32 and blocks of 16 end
     mid-chunk."""
     L, n = 101, 37
     args, _ = build([(L, n)], bs=16, Hq=9, Hkv=3, D=D, seed=D, dtype=dtype)
     whole = attend_span(backend, args, L - n, L, D**-0.5)
-    for size in (1, 3, 8, 11):
+    for size in (1, 3, 11, 16, 17):
         for first in range(L - n, L, size):
             end = min(first + size, L)
             part = attend_span(backend, args, first, end, D**-0.5)

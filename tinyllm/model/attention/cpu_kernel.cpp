@@ -48,7 +48,7 @@ using tinyllm::check_array;
 using tinyllm::fast_exp;
 
 constexpr int64_t kTile = 32;    // keys per online-softmax step
-constexpr int64_t kQueries = 8;  // a row's consecutive new tokens per item, sharing each tile
+constexpr int64_t kQueries = 16;  // a row's consecutive new tokens per item, sharing each tile
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // The build's widest vector of floats (GCC/Clang vector extensions, so one source serves every
