@@ -1,6 +1,7 @@
 """Decode attention of one layer: the CPU backend (in place) against the reference (gather+SDPA).
 
-SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim 64), fp32, blocks of 16,
+SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim 64), fp32 or bf16
+(`--dtype`; the default model runs bf16 activations on CPUs with native bf16), blocks of 16,
 `--batch` decode rows of `--ctx` tokens each, their blocks shuffled through the pool as a
 long-running engine leaves them. Several layers' caches are cycled through so that K and V come
 from memory, not from the last-level cache, as in a real step. Printed, per layer:
@@ -15,6 +16,7 @@ after `--prefill-ctx` earlier ones (each combination), both backends, with the a
 rate each reaches.
 
 Run: python benchmarks/decode_attention.py [--batch 64] [--ctx 512] [--threads 2]
+[--dtype bfloat16]
 """
 
 import argparse
@@ -80,23 +82,24 @@ def best_interleaved(fns: list[Callable[[], object]], reps: int) -> list[float]:
 
 
 def attention_runs(
-    cpu: AttentionBackend, lens: list[int], new: list[int], cold: bool
+    cpu: AttentionBackend, lens: list[int], new: list[int], cold: bool, dtype: torch.dtype
 ) -> tuple[list[Callable[[], Tensor]], int]:
     """Functions running the reference's and the CPU backend's attend over `n` layers' caches
     (random K and V, the same tables), and `n`. `cold`: enough layers to overflow twice the
     last-level cache, so K and V come from memory as in a real step; else one (compute-bound)."""
     gen = torch.Generator().manual_seed(0)
     meta = step_metadata(lens, new, gen)
-    kv_bytes = 2 * sum(lens) * HKV * D * 4
+    kv_bytes = 2 * sum(lens) * HKV * D * dtype.itemsize
     n_layers = math.ceil(2 * last_level_cache_bytes() / kv_bytes) if cold else 1
     shape = (meta.block_tables.max() + 1, BLOCK, HKV, D)
     caches = [
-        (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+        (torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
         for _ in range(n_layers)
     ]
     N = sum(new)
-    q = torch.randn(N, HQ, D, generator=gen)
-    k, v = torch.randn(N, HKV, D, generator=gen), torch.randn(N, HKV, D, generator=gen)
+    q = torch.randn(N, HQ, D, generator=gen).to(dtype)
+    k = torch.randn(N, HKV, D, generator=gen).to(dtype)
+    v = torch.randn(N, HKV, D, generator=gen).to(dtype)
     for kc, vc in caches:
         AttentionBackend.write(k, v, kc, vc, meta)
 
@@ -110,7 +113,9 @@ def attention_runs(
 
     runs = [runner(ReferenceBackend()), runner(cpu)]
     ref, fast = (run() for run in runs)
-    torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-5)  # timing the same maths
+    # Timing the same maths (bf16 outputs: within their rounding).
+    tol = (1e-2, 1e-2) if dtype == torch.bfloat16 else (1e-4, 1e-5)
+    torch.testing.assert_close(fast, ref, rtol=tol[0], atol=tol[1])
     return runs, n_layers
 
 
@@ -123,7 +128,9 @@ def main() -> None:
     p.add_argument("--prefill-rows", type=int, default=4)
     p.add_argument("--prefill-new", type=int, nargs="+", default=[256])
     p.add_argument("--prefill-ctx", type=int, nargs="+", default=[512])
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = p.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     cpu, why = load_cpu_backend()
     if cpu is None:
@@ -133,12 +140,14 @@ def main() -> None:
     src = torch.ones(copy_bytes // 4)
     dst = torch.empty_like(src)
     lens = [args.ctx] * args.batch
-    runs, n_layers = attention_runs(cpu, lens, [1] * args.batch, cold=True)
+    runs, n_layers = attention_runs(cpu, lens, [1] * args.batch, cold=True, dtype=dtype)
     copy, ref, fast = best_interleaved([lambda: dst.copy_(src), *runs], args.reps)
     ref, fast = ref / n_layers, fast / n_layers
     bandwidth = copy_bytes / copy
-    bound = 2 * sum(lens) * HKV * D * 4 / bandwidth
-    print(f"{torch.backends.cpu.get_cpu_capability()}, {args.threads} threads, ", end="")
+    bound = 2 * sum(lens) * HKV * D * dtype.itemsize / bandwidth
+    print(
+        f"{torch.backends.cpu.get_cpu_capability()}, {args.dtype}, {args.threads} threads, ", end=""
+    )
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     print(f"decode {args.batch} x {args.ctx}: bound {1e3 * bound:.2f} ms, ", end="")
     print(f"reference {1e3 * ref:.2f} ms, cpu {1e3 * fast:.2f} ms")
@@ -148,7 +157,7 @@ def main() -> None:
     for earlier in args.prefill_ctx:
         for n in args.prefill_new:
             flops = 4 * HQ * D * rows * sum(earlier + i + 1 for i in range(n))
-            runs, _ = attention_runs(cpu, [earlier + n] * rows, [n] * rows, cold=False)
+            runs, _ = attention_runs(cpu, [earlier + n] * rows, [n] * rows, cold=False, dtype=dtype)
             ref, fast = best_interleaved(runs, args.reps)
             print(f"prefill {rows} x {n} new after {earlier}: ", end="")
             print(f"reference {1e3 * ref:.2f} ms ({flops / ref / 1e9:.0f} GFLOP/s), ", end="")

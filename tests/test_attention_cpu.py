@@ -134,6 +134,48 @@ def test_bf16_accumulates_in_fp32(backend, step):
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
 
 
+def attend_span(backend, args, first: int, end: int, scale: float) -> torch.Tensor:
+    """The outputs of a one-row step's tokens [first, end) computed as a step of their own: the
+    row's context ends at `end` and those are its new tokens; same caches and table."""
+    q, _, _, k_cache, v_cache, meta = args
+    at = meta.seq_lens_cpu[0] - meta.query_lens_cpu[0]  # q[0]'s position
+    n = end - first
+    span = AttentionMetadata(
+        slot_mapping=meta.slot_mapping[first - at : end - at],
+        block_tables=meta.block_tables,
+        seq_lens=torch.tensor([end]),
+        query_start_loc=torch.tensor([0, n]),
+        num_decodes=int(n == 1),
+        seq_lens_cpu=[end],
+        query_lens_cpu=[n],
+    )
+    return backend.attend(q[first - at : end - at], None, None, k_cache, v_cache, span, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [8, 64, 128])
+def test_a_tokens_bits_do_not_depend_on_what_shares_its_step(backend, dtype, D):
+    """A token's output is the same bits as a decode (alone), in a chunk of 3, 11, 16, 17 or 37
+    new tokens wherever the chunk starts, and at another thread count. The kernel gives up to
+    16 of a row's tokens one work item, sharing each tile of keys; a query's arithmetic must
+    still depend only on its position and keys. 101 tokens: tiles of 32 and blocks of 16 end
+    mid-chunk."""
+    L, n = 101, 37
+    args, _ = build([(L, n)], bs=16, Hq=9, Hkv=3, D=D, seed=D, dtype=dtype)
+    whole = attend_span(backend, args, L - n, L, D**-0.5)
+    for size in (1, 3, 11, 16, 17):
+        for first in range(L - n, L, size):
+            end = min(first + size, L)
+            part = attend_span(backend, args, first, end, D**-0.5)
+            assert torch.equal(part, whole[first - (L - n) : end - (L - n)]), (size, first)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        assert torch.equal(attend_span(backend, args, L - n, L, D**-0.5), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def write_and_attend(backend, q, k, v, k_cache, v_cache, meta, scale):
     """The kernel as model/decoder_layer.cpp calls it: it writes the new K/V itself."""
     out = q.new_empty(q.shape)

@@ -1,20 +1,16 @@
 """The CPU backend: a C++ kernel that reads the paged K/V blocks in place through the table.
 
 The reference backend copies every row's blocks into a contiguous buffer before SDPA; at
-decode that copy costs more than the attention itself. The kernel (cpu_kernel.cpp) makes one
-pass per (row, KV head) instead: an online softmax over tiles of 32 tokens, each token's K/V
-rows found through the block table, the query heads of a KV group together so each tile is
-read from memory once. Decode, SmolLM2 shapes, 64 rows x 512 tokens, fp32: 0.62-0.66x the bound
-(K and V bytes over the measured copy bandwidth; a copy also writes, so a pass that only reads
-can beat it) and 3-7x faster than the reference, whose time varies with its page faults;
-`python benchmarks/decode_attention.py [--threads 1]`.
-
-Prefill rows (chunks, with or without earlier context) run in the same kernel, 32 queries to a
-work item in the lanes of vectors, as in a matrix multiply: 1.2-2.7x faster than the reference's
-per-row SDPA for chunks of 16-512 tokens after 0-2048 earlier ones, with AVX-512, AVX2 or SSE
-builds; `python benchmarks/decode_attention.py --prefill-new 16 64 256 512 --prefill-ctx 0 512
-2048`. So only dtypes other than fp32 and bf16 go to the reference (bf16 is read as is and
-accumulated in fp32).
+decode that copy costs more than the attention itself. The kernel (cpu_kernel.cpp) reads the
+blocks in place instead: one pass per (row, up to 16 of its new tokens, KV head) over tiles of
+32 keys with an online softmax, each tile read from memory once for those tokens and the KV
+group's query heads, each query computed exactly as it would be alone (so a token's bits do not
+depend on how its prompt was chunked). Decode, SmolLM2 shapes, 64 rows x 512 tokens, fp32:
+0.62-0.66x the bound (K and V bytes over the measured copy bandwidth; a copy also writes, so a
+pass that only reads can beat it) and 3-7x faster than the reference, whose time varies with
+its page faults; `python benchmarks/decode_attention.py [--threads 1] [--dtype bfloat16]`.
+Prefill rows run in the same kernel, so only dtypes other than fp32 and bf16 go to the
+reference (bf16 is read as is and accumulated in fp32).
 
 The kernel is part of tinyllm's C++ CPU library (model/cpu_library.py), built at first use.
 """

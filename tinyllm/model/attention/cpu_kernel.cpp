@@ -1,20 +1,30 @@
 // Paged attention on the CPU, reading the K/V blocks in place through the block table.
 //
-// One routine for every query, a decode's or a prompt's: an item is (row, new token, KV head),
-// the group's query heads of that token together, so each K/V tile is read once per group. It
-// walks the keys the token may see (up to its own position) from key 0 in tiles of kTile tokens,
-// each token's K and V rows found through the block table, with an online softmax: a running max
-// and sum per head, the output so far rescaled whenever the max grows. A score is a dot product
-// along the head dim, a tile's exponentials one vectorized loop (fast_exp). Keys past a query's
-// position are never read, so whatever the scratch block and the unused slots hold cannot leak
-// in. Threads take items as they finish (their costs differ).
+// One routine for every query, a decode's or a prompt's: an item is (row, up to kQueries
+// consecutive new tokens, KV head), those tokens' group of query heads together. It walks the
+// keys its last token may see from key 0 in tiles of kTile tokens, each token's K and V rows
+// found through the block table. A tile is read once for all the item's queries: bf16 rows (or
+// rows not a whole number of vectors long) converted into the thread's fp32 scratch, fp32 rows
+// in place. Each query head then takes the tile (attend_tile), its keys up to its own position,
+// with an online softmax: a running max and sum, the output so far rescaled whenever the max
+// grows. Scores kW keys at a time: each key's products along the head dim summed as a vector,
+// then the kW vectors reduced to kW scores together by a fixed tree of shuffles and adds, not
+// one horizontal sum per key. The output sums V rows in registers. A tile's lanes past a
+// query's position are masked, and no key past the item's last token is read, so whatever the
+// scratch block and the unused slots hold cannot leak in. Threads take items as they finish
+// (their costs differ). Against items of one token (a horizontal sum per key and head, bf16
+// converted per head): 2x on 8 rows of 56 new bf16 tokens after 768-1024, decode unchanged
+// (docs/INFERENCE.md, "Attention over a long context").
 //
 // Why one routine: a query's arithmetic then depends on nothing but its own position and keys,
 // not on how many tokens its row has or what shares the step. So a token's K/V and logits are
 // the same bits whether it ran in a decode, a prompt chunk of any size, a recompute after
-// preemption, or was read back from the prefix cache. A second routine for prompt rows (their
-// queries in vector lanes, scores as outer products) summed in another order and broke that;
-// measured against this one on a 2000-token prompt and on offline-small, it was no faster.
+// preemption, or was read back from the prefix cache. Sharing a tile among an item's queries is
+// a loop interchange: each query does the operations, in the order, it would do alone
+// (tests/test_attention_cpu.py checks a token alone against chunks of 3 to 37). A second
+// routine for prompt rows (their queries in vector lanes, scores as outer products) summed in
+// another order and broke that; measured against the per-query routine of the time on a
+// 2000-token prompt and on offline-small, it was no faster.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -31,6 +41,7 @@
 #include <limits>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -38,8 +49,81 @@ namespace {
 using tinyllm::check_array;
 using tinyllm::fast_exp;
 
-constexpr int64_t kTile = 32;   // keys per online-softmax step: 8 KiB of fp32 K at D=64
+constexpr int64_t kTile = 32;    // keys per online-softmax step
+constexpr int64_t kQueries = 16;  // a row's consecutive new tokens per item, sharing each tile
 constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// The build's widest vector of floats (GCC/Clang vector extensions, so one source serves every
+// instruction-set level): 16 lanes with AVX-512, 8 with AVX, 4 otherwise.
+#if defined(__AVX512F__)
+constexpr int kW = 16;
+#elif defined(__AVX__)
+constexpr int kW = 8;
+#else
+constexpr int kW = 4;
+#endif
+using Vec = float __attribute__((vector_size(kW * sizeof(float))));
+using IVec = int32_t __attribute__((vector_size(kW * sizeof(float))));
+constexpr int kVecs = 4;  // vectors of a head's output accumulated together (its registers)
+
+inline Vec load(const float* x) {
+  Vec v;
+  std::memcpy(&v, x, sizeof v);
+  return v;
+}
+inline void store(float* x, Vec v) { std::memcpy(x, &v, sizeof v); }
+
+// The lanes of [a, b] (2 kW lanes) in runs of h: the first run of each 2h (off 0), or the
+// second (off h).
+template <int h, int off, int... I>
+inline Vec pick(Vec a, Vec b, std::integer_sequence<int, I...>) {
+#if defined(__clang__)
+  return __builtin_shufflevector(a, b, (I / h * 2 * h + I % h + off)...);
+#else
+  return __builtin_shuffle(a, b, IVec{(I / h * 2 * h + I % h + off)...});
+#endif
+}
+constexpr auto kLanes = std::make_integer_sequence<int, kW>{};
+
+// v[0..2h), each summed across its lanes: the sums, in order, in the lanes of one vector. Each
+// level adds pairs of vectors' halves: a key's lanes halve and the vectors too, from 2h = kW
+// down to one. The tree a key's partial sums go through is fixed and involves no other key's
+// lanes, so its score depends on nothing else in the block.
+template <int h>
+inline Vec sum_lanes(Vec* v) {
+  for (int i = 0; i < h; ++i) {
+    v[i] = pick<h, 0>(v[2 * i], v[2 * i + 1], kLanes) + pick<h, h>(v[2 * i], v[2 * i + 1], kLanes);
+  }
+  if constexpr (h == 1) {
+    return v[0];
+  } else {
+    return sum_lanes<h / 2>(v);
+  }
+}
+
+// The largest of x's lanes (halving the lanes that count, kW to 1).
+template <int h>
+inline float max_lane(Vec x) {
+  const Vec y = pick<h, h>(x, x, kLanes);
+  x = y > x ? y : x;
+  if constexpr (h == 1) {
+    return x[0];
+  } else {
+    return max_lane<h / 2>(x);
+  }
+}
+
+// 0, 1, ..., kW - 1.
+template <int... I>
+constexpr IVec iota(std::integer_sequence<int, I...>) {
+  return IVec{I...};
+}
+
+// A head's row in the fp32 scratch: D rounded up to kVecs vectors, the rest zeros.
+constexpr int64_t padded_dim(int64_t D) {
+  constexpr int64_t kStep = kVecs * kW;
+  return (D + kStep - 1) / kStep * kStep;
+}
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
@@ -55,6 +139,7 @@ struct Step {
   float scale;
 
   int64_t head_dim() const { return kD ? kD : D; }
+  int64_t padded() const { return padded_dim(head_dim()); }
 
   // Pointers to the K and V rows of KV head g for a row's tokens [k0, k0 + n).
   void rows(int64_t row, int64_t g, int64_t k0, int64_t n, const T** k, const T** v) const {
@@ -79,87 +164,156 @@ struct Step {
   }
 };
 
-// One thread's buffers, reused across its items.
+// One thread's buffers, reused across its items; rows of `padded()` floats, zero past D.
 struct Scratch {
-  std::vector<float> q, out, m, l;  // the group's queries (G, D), outputs, max and sum
+  std::vector<float> q, out;  // the item's queries' heads (kQueries, G, padded), their outputs
+  std::vector<float> m, l;    // each query head's running max and sum
+  std::vector<float> k, v;    // the tile's K and V rows in fp32 (kTile, padded)
 };
 
-template <int64_t kD, typename T>
-inline float dot(const float* q, const T* k, int64_t D) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t d = 0; d < (kD ? kD : D); ++d) s += q[d] * to_float(k[d]);
-  return s;
+// A tile's K or V rows in fp32: packed in the thread's scratch (converted or padded there), or
+// in place in the caches through pointers. Packed rows are faster to walk (no pointer loads);
+// pointers spare fp32 rows a copy, which at decode, a tile serving one token, costs more.
+struct Packed {
+  const float* base;
+  int64_t stride;
+  const float* operator[](int64_t t) const { return base + t * stride; }
+};
+struct InPlace {
+  const float* const* rows;
+  const float* operator[](int64_t t) const { return rows[t]; }
+};
+
+// One query head's step over a tile: its query `q` and state (output so far `a`, max, sum), the
+// tile's first `cnt` keys (those it may see), rows of P floats (P: the head dim padded to a
+// multiple of kVecs vectors, the padding zeros; kP: P when known at compile time, else 0).
+// Every query runs exactly this, on nothing but its own values, however many queries share the
+// tile: the arithmetic that makes a token's bits independent of its item.
+template <int64_t kP, typename Rows>
+void attend_tile(const float* __restrict q, float* __restrict a, float& m, float& l, Rows k,
+                 Rows v, int64_t cnt, int64_t padded) {
+  const int64_t P = kP ? kP : padded;
+  alignas(64) float p[kTile];
+  // Scores kW keys at a time: each key's products summed as vectors along the head dim, then
+  // the kW keys' vectors reduced together (sum_lanes) instead of one horizontal sum per key.
+  for (int64_t t0 = 0; t0 < cnt; t0 += kW) {
+    Vec s[kW];
+    for (int t = 0; t < kW; ++t) {
+      const float* kt = k[t0 + t];
+      s[t] = load(q) * load(kt);
+      for (int64_t x = kW; x < P; x += kW) s[t] += load(q + x) * load(kt + x);
+    }
+    store(p + t0, sum_lanes<kW / 2>(s));
+  }
+  // The whole tile in these loops (a fixed trip count vectorizes cleanly, where a loop to cnt
+  // would be a chain of scalar maxima), the lanes past cnt masked: they hold other keys' scores
+  // or stale ones.
+  Vec top = Vec{} + m;
+  const IVec lane = iota(kLanes);
+  for (int32_t t = 0; t < kTile; t += kW) {
+    const Vec x = load(p + t);
+    top = (lane + t < static_cast<int32_t>(cnt)) & (x > top) ? x : top;
+  }
+  const float mx = max_lane<kW / 2>(top);
+  float sum = 0.f;
+  for (int64_t t = 0; t < kTile; ++t) {
+    p[t] = t < cnt ? fast_exp(p[t] - mx) : 0.f;
+    sum += p[t];
+  }
+  const float alpha = fast_exp(m - mx);  // ~0 on the first tile, where m is -inf
+  m = mx;
+  l = l * alpha + sum;
+  // kVecs vectors of the output at a time, each as two running sums (even and odd keys) held in
+  // registers across the tile, so that one vector's FMAs do not wait on each other.
+  for (int64_t x = 0; x < P; x += kVecs * kW) {
+    Vec even[kVecs], odd[kVecs];
+    for (int c = 0; c < kVecs; ++c) even[c] = load(a + x + c * kW) * alpha, odd[c] = Vec{};
+    int64_t t = 0;
+    for (; t + 2 <= cnt; t += 2) {
+      const float *v0 = v[t] + x, *v1 = v[t + 1] + x;
+      for (int c = 0; c < kVecs; ++c) {
+        even[c] += p[t] * load(v0 + c * kW);
+        odd[c] += p[t + 1] * load(v1 + c * kW);
+      }
+    }
+    if (t < cnt) {
+      for (int c = 0; c < kVecs; ++c) even[c] += p[t] * load(v[t] + x + c * kW);
+    }
+    for (int c = 0; c < kVecs; ++c) store(a + x + c * kW, even[c] + odd[c]);
+  }
 }
 
-// New token `tok` of a row (its position: the row's context minus its new tokens, plus tok),
-// KV head g's query heads.
+// New tokens [tok, tok + nq) of a row (token i's position: the row's context minus its new
+// tokens, plus i), KV head g's query heads. Each tile of keys is read (and converted) once for
+// all of them; each query takes the tiles up to its own position. fp32 rows of a whole number of
+// kVecs vectors are read in place, any other rows through the scratch: one way per dtype and
+// head dim, so every query of a model reads its keys alike.
 template <int64_t kD, typename T>
-void attend_query(const Step<kD, T>& c, int64_t row, int64_t tok, int64_t g, Scratch& w) {
+void attend_queries(const Step<kD, T>& c, int64_t row, int64_t tok, int64_t nq, int64_t g,
+                    Scratch& w) {
   const int64_t n = c.starts[row + 1] - c.starts[row];
-  const int64_t D = c.head_dim(), G = c.G, L = c.lens[row] - n + tok + 1;  // keys it sees
-  float *qf = w.q.data(), *acc = w.out.data(), *m = w.m.data(), *l = w.l.data();
-  const T* q = c.q + (c.starts[row] + tok) * c.q_row + g * G * D;  // the group's heads adjacent
-  for (int64_t x = 0; x < G * D; ++x) qf[x] = to_float(q[x]) * c.scale;
-  std::fill(acc, acc + G * D, 0.f);
-  std::fill(m, m + G, -kInf);
-  std::fill(l, l + G, 0.f);
+  const int64_t D = c.head_dim(), P = c.padded(), G = c.G;
+  const int64_t first = c.lens[row] - n + tok + 1, L = first + nq - 1;  // keys the first, last see
+  float *qf = w.q.data(), *acc = w.out.data();
+  for (int64_t j = 0; j < nq; ++j) {
+    const T* q = c.q + (c.starts[row] + tok + j) * c.q_row + g * G * D;  // the heads adjacent
+    for (int64_t h = 0; h < G; ++h) {
+      for (int64_t d = 0; d < D; ++d) qf[(j * G + h) * P + d] = to_float(q[h * D + d]) * c.scale;
+    }
+  }
+  std::fill(acc, acc + nq * G * P, 0.f);
+  std::fill(w.m.begin(), w.m.begin() + nq * G, -kInf);
+  std::fill(w.l.begin(), w.l.begin() + nq * G, 0.f);
   const T* k_tiles[2][kTile];  // this tile's rows and the next one's
   const T* v_tiles[2][kTile];
-  float p[kTile];
   c.rows(row, g, 0, std::min(kTile, L), k_tiles[0], v_tiles[0]);
+  constexpr bool kInPlace = std::is_same_v<T, float> && kD && kD == padded_dim(kD);
+  const float *k_rows[kTile], *v_rows[kTile];  // in place: this tile's rows
+  if constexpr (kInPlace) {
+    // Rows past a tile's cnt are read by its last score block (and masked): until a tile sets
+    // them, key 0's; after, the previous tile's. Rows of this context, never outside the caches.
+    std::fill(k_rows, k_rows + kTile, k_tiles[0][0]);
+    std::fill(v_rows, v_rows + kTile, v_tiles[0][0]);
+  }
   for (int64_t k0 = 0, i = 0; k0 < L; k0 += kTile, i ^= 1) {
     const int64_t cnt = std::min(kTile, L - k0), next = std::min(kTile, L - k0 - kTile);
-    const T* const* k_rows = k_tiles[i];
-    const T* const* v_rows = v_tiles[i];
     if (next > 0) {  // ask for the next tile now, so its loads overlap this tile's arithmetic
       c.rows(row, g, k0 + kTile, next, k_tiles[i ^ 1], v_tiles[i ^ 1]);
       c.prefetch(k_tiles[i ^ 1], v_tiles[i ^ 1], next);
     }
-    for (int64_t h = 0; h < G; ++h) {
-      float mx = m[h];
-      for (int64_t t = 0; t < cnt; ++t) {
-        p[t] = dot<kD>(qf + h * D, k_rows[t], D);
-        mx = std::max(mx, p[t]);
+    for (int64_t t = 0; t < cnt; ++t) {
+      if constexpr (kInPlace) {
+        k_rows[t] = k_tiles[i][t], v_rows[t] = v_tiles[i][t];
+      } else {
+        float *kf = w.k.data() + t * P, *vf = w.v.data() + t * P;
+        for (int64_t d = 0; d < D; ++d) kf[d] = to_float(k_tiles[i][t][d]);
+        for (int64_t d = 0; d < D; ++d) vf[d] = to_float(v_tiles[i][t][d]);
       }
-      // The whole tile (a fixed trip count vectorizes cleanly), its tail past cnt weighing 0.
-      float sum = 0.f;
-      for (int64_t t = 0; t < kTile; ++t) {
-        p[t] = t < cnt ? fast_exp(p[t] - mx) : 0.f;
-        sum += p[t];
-      }
-      const float alpha = fast_exp(m[h] - mx);  // ~0 on the first tile, where m is -inf
-      m[h] = mx;
-      l[h] = l[h] * alpha + sum;
-      float* __restrict a = acc + h * D;
-      for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
-      // Four tokens per pass: the compiler keeps `a` in memory, not registers, so this loads
-      // and stores it once per four rows of V instead of once per row.
-      int64_t t = 0;
-      for (; t + 4 <= cnt; t += 4) {
-        const T *v0 = v_rows[t], *v1 = v_rows[t + 1], *v2 = v_rows[t + 2], *v3 = v_rows[t + 3];
-        const float p0 = p[t], p1 = p[t + 1], p2 = p[t + 2], p3 = p[t + 3];
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) {
-          a[d] += p0 * to_float(v0[d]) + p1 * to_float(v1[d]) + p2 * to_float(v2[d]) +
-                  p3 * to_float(v3[d]);
+    }
+    for (int64_t j = 0; j < nq; ++j) {
+      if (first + j <= k0) continue;  // this query's keys ended before the tile
+      const int64_t seen = std::min(kTile, first + j - k0);
+      for (int64_t h = 0, x = j * G; h < G; ++h, ++x) {
+        if constexpr (kInPlace) {
+          attend_tile<kD>(qf + x * P, acc + x * P, w.m[x], w.l[x], InPlace{k_rows},
+                          InPlace{v_rows}, seen, P);
+        } else {
+          attend_tile<kD ? padded_dim(kD) : 0>(qf + x * P, acc + x * P, w.m[x], w.l[x],
+                                           Packed{w.k.data(), P}, Packed{w.v.data(), P}, seen, P);
         }
-      }
-      for (; t < cnt; ++t) {
-        const T* v = v_rows[t];
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] += p[t] * to_float(v[d]);
       }
     }
   }
-  T* out = c.out + ((c.starts[row] + tok) * c.Hq + g * G) * D;
-  for (int64_t h = 0; h < G; ++h) {
-    for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<T>(acc[h * D + d] / l[h]);
+  for (int64_t j = 0; j < nq; ++j) {
+    T* out = c.out + ((c.starts[row] + tok + j) * c.Hq + g * G) * D;
+    for (int64_t h = 0, x = j * G; h < G; ++h, ++x) {
+      for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<T>(acc[x * P + d] / w.l[x]);
+    }
   }
 }
 
 struct Item {
-  int64_t row, tok, g;
+  int64_t row, tok, count, g;
 };
 
 template <int64_t kD, typename T>
@@ -176,18 +330,20 @@ void attend_impl(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   std::vector<Item> items;
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t n = c.starts[r + 1] - c.starts[r];
-    for (int64_t t = 0; t < n; ++t) {
-      for (int64_t g = 0; g < Hkv; ++g) items.push_back({r, t, g});
+    for (int64_t t = 0; t < n; t += kQueries) {
+      for (int64_t g = 0; g < Hkv; ++g) items.push_back({r, t, std::min(kQueries, n - t), g});
     }
   }
   // One task per thread of torch's pool, each taking the next item until none is left.
   std::atomic<size_t> next{0};
+  const int64_t P = c.padded(), heads = kQueries * G;
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    Scratch w{std::vector<float>(G * D), std::vector<float>(G * D), std::vector<float>(G),
-              std::vector<float>(G)};
+    Scratch w{std::vector<float>(heads * P), std::vector<float>(heads * P),
+              std::vector<float>(heads), std::vector<float>(heads),
+              std::vector<float>(kTile * P), std::vector<float>(kTile * P)};
     for (size_t i; (i = next.fetch_add(1)) < items.size();) {
       const Item& it = items[i];
-      attend_query(c, it.row, it.tok, it.g, w);
+      attend_queries(c, it.row, it.tok, it.count, it.g, w);
     }
   });
 }
