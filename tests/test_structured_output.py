@@ -131,7 +131,7 @@ def _chat(llm, text: str) -> list[int]:
     return llm.tokenizer.encode_chat([{"role": "user", "content": text}])[1]
 
 
-def _json(schema: dict, **kw) -> SamplingParams:
+def _json(schema: dict | str, **kw) -> SamplingParams:
     kw.setdefault("max_tokens", 120)
     return SamplingParams(structured_outputs=StructuredOutputsParams(json=schema), **kw)
 
@@ -184,23 +184,30 @@ def test_chunked_and_preempted_requests_keep_their_grammar(default_config_llm):
         assert o.token_ids == r.token_ids
 
 
-def test_regex_choice_and_a_fixed_grammar(default_config_llm):
+def test_regex_choice_json_object_and_a_fixed_grammar(default_config_llm):
     """n = 3 sampled completions each match the regex (each has its own matcher); a choice gives
-    one of its strings; a grammar that accepts one string gives exactly it."""
+    one of its strings; json_object some JSON object, a schema given as text one it validates;
+    a grammar that accepts one string gives exactly it."""
     llm = default_config_llm
     date = r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"
     regex = StructuredOutputsParams(regex=date)
     choice = StructuredOutputsParams(choice=["positive", "negative", "neutral"])
     fixed = StructuredOutputsParams(grammar='start: "The answer is 42."')
+    any_object = StructuredOutputsParams(json_object=True)
     prompts = [
         _chat(llm, "When did the Berlin wall fall? Give the date."),
         _chat(llm, "Is 'I love this film' positive, negative or neutral?"),
         _chat(llm, "What is the answer?"),
+        _chat(llm, "Describe a cat in JSON."),
+        _chat(llm, "How old is the universe, in billions of years?"),
     ]
+    age = _object(billions=_int(1, 20))
     params = [
         SamplingParams(max_tokens=20, temperature=1.0, seed=5, n=3, structured_outputs=regex),
         SamplingParams(max_tokens=20, temperature=0, structured_outputs=choice),
         SamplingParams(max_tokens=30, temperature=0.7, structured_outputs=fixed),
+        SamplingParams(max_tokens=100, temperature=0, structured_outputs=any_object),
+        _json(json.dumps(age), temperature=0),
     ]
     outs = _run(_engine(llm), prompts, params)
     assert len(outs[0].outputs) == 3
@@ -210,6 +217,9 @@ def test_regex_choice_and_a_fixed_grammar(default_config_llm):
     assert outs[1].outputs[0].finish_reason == "stop"
     assert outs[2].outputs[0].text == "The answer is 42."
     assert outs[2].outputs[0].finish_reason == "stop"
+    assert isinstance(json.loads(outs[3].outputs[0].text), dict)
+    assert outs[3].outputs[0].finish_reason == "stop"
+    _assert_valid(outs[4], age, "a schema as text")
 
 
 @pytest.mark.parametrize(
