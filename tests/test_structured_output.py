@@ -293,20 +293,29 @@ def test_a_mask_forbids_padding_ids_and_leaves_allowed_logits_alone(default_conf
     assert masks.stats.rows == 1 and masks.stats.forced == (len(texts) == 1)
 
 
-def test_constrained_logprobs_are_the_models(default_config_llm):
-    """The sampler reports a constrained row's logprobs under the raw logits, as for any row,
-    and advances the matcher with the token it chose."""
+@pytest.mark.parametrize(
+    "sampling",
+    [{"temperature": 0}, {"temperature": 1.5, "top_k": 50, "repetition_penalty": 1.3, "seed": 2}],
+)
+def test_the_mask_comes_first_and_logprobs_are_the_models(default_config_llm, sampling):
+    """A +100 logit_bias on the raw argmax, a token the grammar forbids, cannot bring it back,
+    greedy or sampled: the mask comes before penalties, bias, temperature and top-k. The
+    logprobs are those of the raw logits, as for any row, and the matcher advances with the
+    token chosen."""
     tok = default_config_llm.tokenizer
     compiler = StructuredOutputCompiler(tok, tok.vocab_size)
     matcher = compiler.matcher(StructuredOutputsParams(choice=["yes", "no"]))
+    logits = torch.randn(1, tok.vocab_size, generator=torch.Generator().manual_seed(1))
+    favourite = int(logits[0].argmax())
+    assert not any(w.startswith(tok.decode([favourite])) for w in ("yes", "no"))
+    params = SamplingParams(logprobs=3, logit_bias={favourite: 100}, **sampling)
     req = SimpleNamespace(
-        params=SamplingParams(temperature=0, logprobs=3),
-        generator=torch.Generator(),
-        prompt_token_ids=[1],
+        params=params,
+        generator=torch.Generator().manual_seed(params.seed or 0),
+        prompt_token_ids=[favourite],
         output_token_ids=[],
         matcher=matcher,
     )
-    logits = torch.randn(1, tok.vocab_size, generator=torch.Generator().manual_seed(1))
     (token,), (lp,) = Sampler()(logits, [req])
     text = tok.decode([token])
     word = next(w for w in ("yes", "no") if w.startswith(text))
