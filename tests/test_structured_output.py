@@ -131,7 +131,7 @@ def _chat(llm, text: str) -> list[int]:
     return llm.tokenizer.encode_chat([{"role": "user", "content": text}])[1]
 
 
-def _json(schema: dict, **kw) -> SamplingParams:
+def _json(schema: dict | str, **kw) -> SamplingParams:
     kw.setdefault("max_tokens", 120)
     return SamplingParams(structured_outputs=StructuredOutputsParams(json=schema), **kw)
 
@@ -184,23 +184,30 @@ def test_chunked_and_preempted_requests_keep_their_grammar(default_config_llm):
         assert o.token_ids == r.token_ids
 
 
-def test_regex_choice_and_a_fixed_grammar(default_config_llm):
+def test_regex_choice_json_object_and_a_fixed_grammar(default_config_llm):
     """n = 3 sampled completions each match the regex (each has its own matcher); a choice gives
-    one of its strings; a grammar that accepts one string gives exactly it."""
+    one of its strings; json_object some JSON object, a schema given as text one it validates;
+    a grammar that accepts one string gives exactly it."""
     llm = default_config_llm
     date = r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"
     regex = StructuredOutputsParams(regex=date)
     choice = StructuredOutputsParams(choice=["positive", "negative", "neutral"])
     fixed = StructuredOutputsParams(grammar='start: "The answer is 42."')
+    any_object = StructuredOutputsParams(json_object=True)
     prompts = [
         _chat(llm, "When did the Berlin wall fall? Give the date."),
         _chat(llm, "Is 'I love this film' positive, negative or neutral?"),
         _chat(llm, "What is the answer?"),
+        _chat(llm, "Describe a cat in JSON."),
+        _chat(llm, "How old is the universe, in billions of years?"),
     ]
+    age = _object(billions=_int(1, 20))
     params = [
         SamplingParams(max_tokens=20, temperature=1.0, seed=5, n=3, structured_outputs=regex),
         SamplingParams(max_tokens=20, temperature=0, structured_outputs=choice),
         SamplingParams(max_tokens=30, temperature=0.7, structured_outputs=fixed),
+        SamplingParams(max_tokens=100, temperature=0, structured_outputs=any_object),
+        _json(json.dumps(age), temperature=0),
     ]
     outs = _run(_engine(llm), prompts, params)
     assert len(outs[0].outputs) == 3
@@ -210,6 +217,9 @@ def test_regex_choice_and_a_fixed_grammar(default_config_llm):
     assert outs[1].outputs[0].finish_reason == "stop"
     assert outs[2].outputs[0].text == "The answer is 42."
     assert outs[2].outputs[0].finish_reason == "stop"
+    assert isinstance(json.loads(outs[3].outputs[0].text), dict)
+    assert outs[3].outputs[0].finish_reason == "stop"
+    _assert_valid(outs[4], age, "a schema as text")
 
 
 @pytest.mark.parametrize(
@@ -283,20 +293,29 @@ def test_a_mask_forbids_padding_ids_and_leaves_allowed_logits_alone(default_conf
     assert masks.stats.rows == 1 and masks.stats.forced == (len(texts) == 1)
 
 
-def test_constrained_logprobs_are_the_models(default_config_llm):
-    """The sampler reports a constrained row's logprobs under the raw logits, as for any row,
-    and advances the matcher with the token it chose."""
+@pytest.mark.parametrize(
+    "sampling",
+    [{"temperature": 0}, {"temperature": 1.5, "top_k": 50, "repetition_penalty": 1.3, "seed": 2}],
+)
+def test_the_mask_comes_first_and_logprobs_are_the_models(default_config_llm, sampling):
+    """A +100 logit_bias on the raw argmax, a token the grammar forbids, cannot bring it back,
+    greedy or sampled: the mask comes before penalties, bias, temperature and top-k. The
+    logprobs are those of the raw logits, as for any row, and the matcher advances with the
+    token chosen."""
     tok = default_config_llm.tokenizer
     compiler = StructuredOutputCompiler(tok, tok.vocab_size)
     matcher = compiler.matcher(StructuredOutputsParams(choice=["yes", "no"]))
+    logits = torch.randn(1, tok.vocab_size, generator=torch.Generator().manual_seed(1))
+    favourite = int(logits[0].argmax())
+    assert not any(w.startswith(tok.decode([favourite])) for w in ("yes", "no"))
+    params = SamplingParams(logprobs=3, logit_bias={favourite: 100}, **sampling)
     req = SimpleNamespace(
-        params=SamplingParams(temperature=0, logprobs=3),
-        generator=torch.Generator(),
-        prompt_token_ids=[1],
+        params=params,
+        generator=torch.Generator().manual_seed(params.seed or 0),
+        prompt_token_ids=[favourite],
         output_token_ids=[],
         matcher=matcher,
     )
-    logits = torch.randn(1, tok.vocab_size, generator=torch.Generator().manual_seed(1))
     (token,), (lp,) = Sampler()(logits, [req])
     text = tok.decode([token])
     word = next(w for w in ("yes", "no") if w.startswith(text))

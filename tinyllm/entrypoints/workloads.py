@@ -54,9 +54,9 @@ WORKLOADS = {
 # Run in-process by `tinyllm bench NAME`; `serve` is sent to a server by `tinyllm bench serve`.
 OFFLINE_WORKLOADS = ("offline", "offline-small", "shared-prefix", "single", "multi-turn")
 
-# `tinyllm bench WORKLOAD --structured json`: every output is JSON under this schema, records
-# in a list with no length limit, so a request can fill its output length (or end early, where
-# the model closes the list).
+# `tinyllm bench WORKLOAD --structured json`: every output is JSON under this schema, a list of
+# at least 64 records (over 1000 tokens), so that every request makes its whole output length,
+# as the unconstrained run does, and the two runs do the same work.
 _RECORD = {
     "type": "object",
     "properties": {
@@ -72,7 +72,7 @@ _RECORD = {
 STRUCTURED_SCHEMAS = {
     "json": {
         "type": "object",
-        "properties": {"records": {"type": "array", "items": _RECORD}},
+        "properties": {"records": {"type": "array", "items": _RECORD, "minItems": 64}},
         "required": ["records"],
         "additionalProperties": False,
     }

@@ -197,14 +197,20 @@ def _phase(message: str) -> None:
     print(f"bench: {message}", file=sys.stderr, flush=True)
 
 
-def without_prefix_caching(llm: "LLM") -> "LLM":
-    """The same model behind a fresh engine with prefix caching off (the old one's KV memory
-    is let go first: two pools of the default 2 GiB need not fit at once)."""
+def fresh_engine(llm: "LLM", **changes: object) -> "LLM":
+    """The same model behind a fresh engine, its config with `changes` (the old one's KV memory
+    is let go first: two pools of the default 2 GiB need not fit at once). A baseline runs on
+    one, so that it too starts with a pool whose pages the OS has yet to map, as the first run
+    did: on `offline` the first touch of ~600 MB of KV pages costs seconds."""
     other = copy.copy(llm)
-    config = dataclasses.replace(llm.engine.config, enable_prefix_caching=False)
+    config = dataclasses.replace(llm.engine.config, **changes)
     model, llm.engine = llm.engine.model, None
     other.engine = LLMEngine(model, llm.tokenizer, config)
     return other
+
+
+def without_prefix_caching(llm: "LLM") -> "LLM":
+    return fresh_engine(llm, enable_prefix_caching=False)
 
 
 def baseline_for(workload: str, baseline: str, structured: str | None = None) -> str:
@@ -268,7 +274,7 @@ def run_bench(args: argparse.Namespace) -> None:
     if baseline == "unconstrained":
         _phase(f"running the baseline: tinyllm unconstrained, {threads(machine.threads)}")
         requests = sent  # the same prompts, each making the tokens it made constrained
-        runs.append(run(llm, "unconstrained")[0])
+        runs.append(run(fresh_engine(llm), "unconstrained")[0])
     elif hf is not None:
         _phase(f"running the baseline: transformers, {threads(machine.threads)}")
         runs.append(run_transformers(hf, requests))
