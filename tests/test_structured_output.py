@@ -222,6 +222,22 @@ def test_regex_choice_json_object_and_a_fixed_grammar(default_config_llm):
     _assert_valid(outs[4], age, "a schema as text")
 
 
+def test_a_schema_that_does_not_close_its_objects_gets_no_invented_keys(default_config_llm):
+    """Without `additionalProperties`, JSON Schema allows any other key; left that room, the
+    default model once wrote "population_density_by_city" records until max_tokens. Objects
+    are closed unless the schema opens them (vLLM's default), so the answer is the declared
+    keys and ends with stop."""
+    llm = default_config_llm
+    city = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+        "required": ["city", "population"],
+    }
+    prompt = _chat(llm, "Give the largest city of Japan as JSON.")
+    out = _run(_engine(llm), [prompt], [_json(city, temperature=0)])[0].outputs[0]
+    assert out.finish_reason == "stop" and set(json.loads(out.text)) == {"city", "population"}
+
+
 @pytest.mark.parametrize(
     ("constraint", "message"),
     [

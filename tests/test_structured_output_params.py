@@ -52,3 +52,32 @@ def test_exported_and_choice_copied() -> None:
     assert tinyllm.StructuredOutputsParams is StructuredOutputsParams
     choices = ("a", "b")
     assert StructuredOutputsParams(choice=choices).choice == ["a", "b"]
+
+
+def test_objects_are_closed_unless_they_say_otherwise():
+    """vLLM's default (xgrammar's strict mode) and OpenAI's strict mode: an object that declares
+    its properties takes no others, at any depth, unless the schema opens it; `allOf` parts
+    and objects without `properties` stay as they are, as do values (enum, const)."""
+    from tinyllm.engine.structured_output import closed_objects
+
+    city = {"type": "object", "properties": {"name": {"type": "string"}}}
+    schema = {
+        "type": "object",
+        "properties": {"city": city, "properties": {"type": "object", "properties": {}}},
+        "$defs": {"c": city},
+        "anyOf": [city, {"type": "object"}],
+        "allOf": [city],
+        "enum": [{"properties": {}}],
+    }
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["city"]["additionalProperties"] is False
+    assert closed["properties"]["properties"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]  # a map of names, not a schema
+    assert closed["$defs"]["c"]["additionalProperties"] is False
+    assert closed["anyOf"][0]["additionalProperties"] is False
+    assert closed["anyOf"][1] == {"type": "object"}
+    assert closed["allOf"] == [city] and closed["enum"] == schema["enum"]
+    opened = {**city, "additionalProperties": {"type": "integer"}}
+    assert closed_objects(opened) == opened
+    assert "additionalProperties" not in city  # the caller's schema is not changed

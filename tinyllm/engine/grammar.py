@@ -5,6 +5,7 @@ The sampler is the only user: before sampling it masks each constrained row's lo
 tokens its matcher allows, then advances the matcher with the chosen token."""
 
 import dataclasses
+import json
 import re
 import threading
 import time
@@ -15,7 +16,7 @@ import torch
 from llguidance import LLExecutor, LLMatcher, LLTokenizer, grammar_from
 from torch import Tensor
 
-from tinyllm.engine.structured_output import StructuredOutputsParams
+from tinyllm.engine.structured_output import StructuredOutputsParams, closed_objects
 
 if TYPE_CHECKING:
     from tinyllm.text.tokenizer import Tokenizer
@@ -30,8 +31,10 @@ def _grammar(params: StructuredOutputsParams) -> tuple[str, str]:
     """The field that is set and its llguidance grammar (compiled later, by the matcher)."""
     if params.json is not None:
         try:
-            return "json", LLMatcher.grammar_from_json_schema(params.json, defaults=_JSON_OPTIONS)
-        except (TypeError, ValueError) as e:  # a dict that is not JSON (a set, a NaN key)
+            schema = json.loads(params.json) if isinstance(params.json, str) else params.json
+            schema = closed_objects(schema)
+            return "json", LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        except (TypeError, ValueError) as e:  # not JSON text, or a dict that is not JSON
             raise ValueError(f"structured_outputs.json: not a JSON schema: {e}") from None
     if params.json_object:
         schema = {"type": "object"}

@@ -17,21 +17,21 @@ from typing import Any
 
 import llguidance
 
+from tinyllm.engine.structured_output import closed_objects
 from tinyllm.text.tool_calls import CALL_END, CALL_START
 
 # Fixed separators: a model free to put whitespace anywhere can spend its tokens on it.
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _NL = "\n"
-_ANY_PARAMETERS: dict[str, Any] = {"type": "object"}
+# A function without `parameters` takes none (OpenAI's rule): its arguments are {}.
+_NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
 def arguments_schema(function: dict[str, Any]) -> dict[str, Any]:
-    """A function's `parameters`, closed to other properties unless it says otherwise (as
-    OpenAI's strict mode does): a small model otherwise invents arguments it was not given."""
-    schema = function.get("parameters") or _ANY_PARAMETERS
-    if schema.get("type") == "object" and "additionalProperties" not in schema:
-        schema = {**schema, "additionalProperties": False}
-    return schema
+    """A function's `parameters`, its objects closed to other properties unless they say
+    otherwise (as OpenAI's strict mode does): a small model otherwise invents arguments it was
+    not given."""
+    return closed_objects(function.get("parameters") or _NO_PARAMETERS)
 
 
 def call_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
