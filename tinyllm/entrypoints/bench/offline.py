@@ -213,11 +213,14 @@ def without_prefix_caching(llm: "LLM") -> "LLM":
     return fresh_engine(llm, enable_prefix_caching=False)
 
 
-def baseline_for(workload: str, baseline: str, structured: str | None = None) -> str:
+def baseline_for(
+    workload: str, baseline: str, structured: str | None = None, dummy: bool = False
+) -> str:
     """--baseline auto: with --structured the same run unconstrained; else tinyllm without
-    prefix caching where the workload is about the cache, else transformers. A chat replay has
-    no transformers baseline and no constraint; only a constrained run has an unconstrained
-    baseline, and it has no other (it ends requests early)."""
+    prefix caching where the workload is about the cache, else transformers (none for `dummy`
+    weights, which transformers cannot load). A chat replay has no transformers baseline and no
+    constraint; only a constrained run has an unconstrained baseline, and it has no other (it
+    ends requests early)."""
     chat = WORKLOADS[workload].turns > 1
     if structured is not None:
         if chat:
@@ -231,8 +234,10 @@ def baseline_for(workload: str, baseline: str, structured: str | None = None) ->
     if baseline == "unconstrained":
         raise ValueError("--baseline unconstrained needs --structured (what to constrain)")
     about_cache = workload in ("shared-prefix", "multi-turn")
+    if dummy and baseline == "transformers":
+        raise ValueError("--baseline transformers needs the model's real weights, not dummy ones")
     if baseline == "auto":
-        return "no-prefix-caching" if about_cache else "transformers"
+        return "no-prefix-caching" if about_cache else ("none" if dummy else "transformers")
     if baseline == "transformers" and chat:
         raise ValueError(f"--baseline transformers cannot replay {workload}'s chats: use auto")
     return baseline
@@ -240,7 +245,8 @@ def baseline_for(workload: str, baseline: str, structured: str | None = None) ->
 
 def run_bench(args: argparse.Namespace) -> None:
     check_workload(args.workload, args.num_requests)  # before a minute of model loading
-    baseline = baseline_for(args.workload, args.baseline, args.structured)
+    dummy = args.load_format == "dummy"
+    baseline = baseline_for(args.workload, args.baseline, args.structured, dummy)
     constraint = None
     if args.structured is not None:
         constraint = StructuredOutputsParams(json=STRUCTURED_SCHEMAS[args.structured])

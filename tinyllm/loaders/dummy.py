@@ -1,0 +1,214 @@
+"""`load_format="dummy"` (vLLM's name): a model built from a config alone, with random weights in
+the format it will run in, so that real model shapes can be benchmarked without downloads.
+
+The config is a Hugging Face config.json (a file, or a directory holding one) or one of the
+named real configs shipped in loaders/configs/. Quantized weights are made as blocks directly
+(model/quant.py's GroupQuantized: random codes, plausible scales), never as a dense fp32 matrix
+first, so an 8B-class int4 model takes its packed size in memory and seconds to build. Every
+layer shares one random code tensor per projection shape (a layer's own scales differ): the
+kernel reads each layer's packed copy all the same, and drawing codes for every layer would
+cost time and memory and measure nothing more.
+"""
+
+import math
+from importlib import resources
+from pathlib import Path
+
+import tokenizers
+import torch
+from tokenizers.models import WordLevel
+from torch import Tensor
+
+from tinyllm.engine.memory import available_bytes
+from tinyllm.loaders.hf import hf_config
+from tinyllm.loaders.source import LoadedModel
+from tinyllm.model.config import ModelConfig, ModelLoadError
+from tinyllm.model.quant import GROUP, GroupQuantized
+from tinyllm.text.tokenizer import Tokenizer
+
+LOAD_FORMATS = ("auto", "dummy")
+SEED = 0
+# Bytes each weight takes while a quantized dummy model is built and packed: its codes (shared
+# across layers, so not counted), scale and offset in fp32 (8 / 32) and the packed copy.
+_QUANT_BYTES = {4: 0.5 + 8 / GROUP + 4 / GROUP, 8: 1 + 8 / GROUP + 4 / GROUP}
+# ModelConfig's sizes, by their names in config.json.
+_SIZES = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "intermediate_size": "intermediate_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "max_position_embeddings": "max_position_embeddings",
+}
+_NO_TOKENIZER = (
+    "dummy weights (load_format='dummy') come without a tokenizer: give prompts as token ids "
+    "(tinyllm bench does), or load a real model for text"
+)
+
+
+def named_configs() -> dict[str, Path]:
+    """The real models' configs shipped with tinyllm, by name (e.g. "llama-3.2-1b")."""
+    folder = resources.files("tinyllm.loaders") / "configs"
+    return {
+        p.name.removesuffix(".json"): Path(str(p))
+        for p in folder.iterdir()
+        if p.name.endswith(".json")
+    }
+
+
+def dummy_config(model: str | None) -> tuple[str, Path, ModelConfig]:
+    """(name, folder of its config.json, config) of `model`: a named config, a config.json, or
+    a directory holding one."""
+    names = named_configs()
+    choices = f"a config.json path or one of {', '.join(sorted(names))}"
+    if model is None:
+        raise ModelLoadError(f"load_format='dummy' needs a model config: {choices}")
+    path = names.get(model) or Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"load_format='dummy': no such config {model!r}; give {choices}")
+    config = hf_config(path)
+    for field, key in _SIZES.items():
+        value = getattr(config, field)
+        if not isinstance(value, int) or value < 1:
+            raise ModelLoadError(f"{path}: {key} must be a positive integer, got {value!r}")
+    folder = path.parent if path.is_file() else path
+    return (model if model in names else folder.resolve().name), folder, config
+
+
+def load_dummy(model: str | None, quantization: str, dtype: torch.dtype) -> LoadedModel:
+    """The model `model` configures, with random weights in `quantization`'s format."""
+    name, folder, config = dummy_config(model)
+    weights = dummy_weights(config, quantization, dtype)
+    return LoadedModel(name, folder, config, weights, IdsOnlyTokenizer(config.vocab_size))
+
+
+def _linear_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(out, in) of each decoder layer's linear weights, fused as the model runs them."""
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return {
+        "self_attn.qkv_proj": (q + 2 * kv, c.hidden_size),
+        "self_attn.o_proj": (c.hidden_size, q),
+        "mlp.gate_up_proj": (2 * c.intermediate_size, c.hidden_size),
+        "mlp.down_proj": (c.hidden_size, c.intermediate_size),
+    }
+
+
+def parameter_count(c: ModelConfig) -> int:
+    """The model's parameters as its checkpoint counts them (a tied head once), from shapes."""
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    layer = sum(n * k for n, k in _linear_shapes(c).values()) + 2 * c.hidden_size
+    layer += (q + 2 * kv) * c.attention_bias + 2 * c.head_dim * c.qk_norm
+    embed = c.vocab_size * c.hidden_size
+    return c.num_layers * layer + c.hidden_size + embed * (1 if c.tie_word_embeddings else 2)
+
+
+def _check_memory(c: ModelConfig, quantization: str, dtype: torch.dtype) -> None:
+    params = parameter_count(c)
+    if quantization == "none":
+        need, what = params * dtype.itemsize, f"dense {str(dtype).removeprefix('torch.')}"
+    else:
+        bits = 8 if quantization == "int8" else 4
+        need, what = params * _QUANT_BYTES[bits], quantization
+    free = available_bytes(torch.device("cpu"))
+    if free is not None and need > free:
+        raise ModelLoadError(
+            f"dummy weights of {params / 1e9:.2f}B parameters in {what} need about "
+            f"{need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB available; "
+            "use quantization int4 or a smaller config"
+        )
+
+
+class _Random:
+    """Deterministic random weights (one seeded generator, drawn in a fixed order)."""
+
+    def __init__(self, dtype: torch.dtype, seed: int) -> None:
+        self.dtype, self.gen = dtype, torch.Generator().manual_seed(seed)
+        self.codes: dict[tuple[int, int, int], Tensor] = {}
+
+    def dense(self, n: int, k: int) -> Tensor:
+        """Weights of std 1/sqrt(k), so each layer keeps its activations' scale."""
+        w = torch.randn(n, k, generator=self.gen, dtype=self.dtype)
+        return w.mul_(k**-0.5)
+
+    def blocks(self, n: int, k: int, bits: int) -> GroupQuantized:
+        """Blocks whose weights have std about 1/sqrt(k): codes uniform over the grid, each
+        group's scale within a factor of 2 of the typical one, offset centring the grid."""
+        top = 15 if bits == 4 else 255
+        key = (n, k, bits)
+        if key not in self.codes:
+            lo = 0 if bits == 4 else 1  # 8-bit codes stay off 0 (see quant.pack)
+            self.codes[key] = torch.randint(
+                lo, top + 1, (n, k), dtype=torch.uint8, generator=self.gen
+            )
+        typical = k**-0.5 / (top / math.sqrt(12))  # a uniform code's std is top / sqrt(12)
+        scale = torch.rand(n, k // GROUP, generator=self.gen).add_(0.5).mul_(typical)
+        scale = scale.half().float()  # as the packed format stores it
+        return GroupQuantized(self.codes[key], scale, -(top + 1) / 2 * scale, bits)
+
+
+def dummy_weights(
+    c: ModelConfig, quantization: str, dtype: torch.dtype, seed: int = SEED
+) -> dict[str, Tensor | GroupQuantized]:
+    """A random state dict in the model's own names (q/k/v and gate/up fused): linear weights
+    as blocks for "int4"/"int8" (the LM head in 8 bits, as quantize_linears runs it), dense in
+    `dtype` for "none"."""
+    widths = {
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads * head_dim": c.num_heads * c.head_dim,
+    }
+    bad = [f"{name}={width}" for name, width in widths.items() if width % GROUP]
+    if quantization != "none" and bad:
+        raise ModelLoadError(
+            f"quantized dummy weights need dimensions in whole groups of {GROUP}: {', '.join(bad)}"
+        )
+    _check_memory(c, quantization, dtype)
+    rand = _Random(dtype, seed)
+    layer_bits = {"int4": 4, "int8": 8}.get(quantization)
+
+    def linear(n: int, k: int, bits: int | None) -> Tensor | GroupQuantized:
+        return rand.dense(n, k) if bits is None else rand.blocks(n, k, bits)
+
+    def ones(n: int) -> Tensor:  # a norm's weight, its own tensor (the model assigns them)
+        return torch.ones(n, dtype=dtype)
+
+    head_bits = None if layer_bits is None else 8
+    weights: dict[str, Tensor | GroupQuantized] = {"model.norm.weight": ones(c.hidden_size)}
+    if c.tie_word_embeddings:
+        weights["model.embed_tokens.weight"] = linear(c.vocab_size, c.hidden_size, head_bits)
+    else:
+        weights["model.embed_tokens.weight"] = rand.dense(c.vocab_size, c.hidden_size)
+        weights["lm_head.weight"] = linear(c.vocab_size, c.hidden_size, head_bits)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        for name, (n, k) in _linear_shapes(c).items():
+            weights[f"{p}{name}.weight"] = linear(n, k, layer_bits)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            weights[f"{p}{norm}.weight"] = ones(c.hidden_size)
+        if c.attention_bias:
+            q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+            weights[f"{p}self_attn.qkv_proj.bias"] = torch.zeros(q + 2 * kv, dtype=dtype)
+        if c.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                weights[f"{p}self_attn.{norm}.weight"] = ones(c.head_dim)
+    return weights
+
+
+class IdsOnlyTokenizer(Tokenizer):
+    """Dummy weights' tokenizer: no text in, ids out as "<id>" (for the engine's detokenizer)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        vocab = {f"<{i}>": i for i in range(vocab_size)}
+        super().__init__(
+            tokenizers.Tokenizer(WordLevel(vocab, unk_token="<0>")),
+            bos_token_id=None,
+            eos_token_ids=[],
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise ValueError(_NO_TOKENIZER)
+
+    def encode_chat(self, messages, add_generation_prompt=True, tools=None):
+        raise ValueError(_NO_TOKENIZER)
