@@ -135,17 +135,16 @@ class _Random:
     def blocks(self, n: int, k: int, bits: int) -> GroupQuantized:
         """Blocks whose weights have std about 1/sqrt(k): codes uniform over the grid, each
         group's scale within a factor of 2 of the typical one, offset centring the grid."""
-        top = 15 if bits == 4 else 255
+        lo, top = (0, 15) if bits == 4 else (1, 255)  # 8-bit codes stay off 0 (see quant.pack)
         key = (n, k, bits)
         if key not in self.codes:
-            lo = 0 if bits == 4 else 1  # 8-bit codes stay off 0 (see quant.pack)
             self.codes[key] = torch.randint(
                 lo, top + 1, (n, k), dtype=torch.uint8, generator=self.gen
             )
-        typical = k**-0.5 / (top / math.sqrt(12))  # a uniform code's std is top / sqrt(12)
+        typical = k**-0.5 / ((top - lo + 1) / math.sqrt(12))  # a uniform code's std
         scale = torch.rand(n, k // GROUP, generator=self.gen).add_(0.5).mul_(typical)
         scale = scale.half().float()  # as the packed format stores it
-        return GroupQuantized(self.codes[key], scale, -(top + 1) / 2 * scale, bits)
+        return GroupQuantized(self.codes[key], scale, -(lo + top) / 2 * scale, bits)
 
 
 def dummy_weights(
