@@ -156,6 +156,9 @@ def test_weights_that_would_not_fit_memory_are_refused_before_allocating(monkeyp
     _, _, config = dummy_config("llama-3.1-8b")
     with pytest.raises(ModelLoadError, match=r"8\.03B parameters in dense float32 need about 29"):
         dummy_weights(config, "none", torch.float32)
+    # int4: the packed blocks, their fp32 scales while packing, the dense bf16 embedding table
+    with pytest.raises(ModelLoadError, match=r"in int4 need about 7\.1 GiB, more than the 1\.0"):
+        dummy_weights(config, "int4", torch.bfloat16)
 
 
 def test_bench_runs_dummy_weights_without_the_transformers_baseline():

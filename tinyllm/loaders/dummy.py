@@ -4,7 +4,8 @@ the format it will run in, so that real model shapes can be benchmarked without 
 The config is a Hugging Face config.json (a file, or a directory holding one) or one of the
 named real configs shipped in loaders/configs/. Quantized weights are made as blocks directly
 (model/quant.py's GroupQuantized: random codes, plausible scales), never as a dense fp32 matrix
-first, so an 8B-class int4 model takes its packed size in memory and seconds to build. Every
+first, so an 8B-class int4 model takes about its packed size in memory (docs/INFERENCE.md,
+"Real model shapes", measures the build). Every
 layer shares one random code tensor per projection shape (a layer's own scales differ): the
 kernel reads each layer's packed copy all the same, and drawing codes for every layer would
 cost time and memory and measure nothing more.
@@ -28,9 +29,10 @@ from tinyllm.text.tokenizer import Tokenizer
 
 LOAD_FORMATS = ("auto", "dummy")
 SEED = 0
-# Bytes each weight takes while a quantized dummy model is built and packed: its codes (shared
-# across layers, so not counted), scale and offset in fp32 (8 / 32) and the packed copy.
-_QUANT_BYTES = {4: 0.5 + 8 / GROUP + 4 / GROUP, 8: 1 + 8 / GROUP + 4 / GROUP}
+# Bytes each linear weight takes while a quantized dummy model is built and packed: its fp32
+# scale and offset (8 / 32) and the packed copy (codes, fp16 scale and offset); the codes are
+# shared across layers, so not counted.
+_QUANT_BYTES = {bits: bits / 8 + 8 / GROUP + 4 / GROUP for bits in (4, 8)}
 # ModelConfig's sizes, by their names in config.json.
 _SIZES = {
     "vocab_size": "vocab_size",
@@ -108,9 +110,11 @@ def _check_memory(c: ModelConfig, quantization: str, dtype: torch.dtype) -> None
     params = parameter_count(c)
     if quantization == "none":
         need, what = params * dtype.itemsize, f"dense {str(dtype).removeprefix('torch.')}"
-    else:
+    else:  # an untied embedding table stays dense
+        dense = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
         bits = 8 if quantization == "int8" else 4
-        need, what = params * _QUANT_BYTES[bits], quantization
+        need = (params - dense) * _QUANT_BYTES[bits] + dense * dtype.itemsize
+        what = quantization
     free = available_bytes(torch.device("cpu"))
     if free is not None and need > free:
         raise ModelLoadError(
