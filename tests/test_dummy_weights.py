@@ -176,3 +176,10 @@ def test_cli_generate_with_dummy_weights_says_why_it_cannot(tiny_config, capsys)
     argv = ["generate", "hi", "--load-format", "dummy", "--model", tiny_config, "--num-blocks", "8"]
     assert main(argv) == 1
     assert "without a tokenizer" in capsys.readouterr().err
+
+
+def test_an_unknown_load_format_is_refused_before_loading():
+    from tinyllm import LLM
+
+    with pytest.raises(ValueError, match="load_format='pt': choose auto or dummy"):
+        LLM(load_format="pt")
