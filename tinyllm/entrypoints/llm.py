@@ -114,7 +114,9 @@ class LLM:
         _log_loaded(loaded.name, loaded.weights.values(), net, time.perf_counter() - start)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
-        self.default_sampling = default_sampling(generation_config, loaded.path)
+        self.default_sampling = default_sampling(
+            generation_config, loaded.path, files.reader if files else None
+        )
         try:
             self.get_default_sampling_params()
         except ValueError as e:
