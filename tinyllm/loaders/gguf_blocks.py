@@ -40,8 +40,12 @@ def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """(n, c, 32) bytes -> (n, c, 2, 32): the low nibbles' 32 weights, then the high ones'."""
-    return np.stack([qs & 0x0F, qs >> 4], axis=-2)
+    """(n, c, 32) bytes -> (n, c, 2, 32): the low nibbles' 32 weights, then the high ones'.
+    Written into one array, with no temporaries: this is most of a Q4 file's load."""
+    u = np.empty((*qs.shape[:-1], 2, qs.shape[-1]), np.uint8)
+    np.bitwise_and(qs, 0x0F, out=u[..., 0, :])
+    np.right_shift(qs, 4, out=u[..., 1, :])
+    return u
 
 
 def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
@@ -72,15 +76,15 @@ def _codes(blocks: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.nda
         if qtype in (Q.Q5_0, Q.Q5_1):  # 32 high bits, little-endian: bit j is weight j's
             high = np.unpackbits(blocks[:, at : at + 4], axis=1, bitorder="little") << 4
             at += 4
-        else:
-            high = 0
-        u = _nibbles(blocks[:, None, at : at + 16]).reshape(n, 32) | high
+        u = _nibbles(blocks[:, None, at : at + 16]).reshape(n, 32)
+        if qtype in (Q.Q5_0, Q.Q5_1):
+            u |= high
         return u, d, m
     if qtype == Q.Q8_0:
         d = _f16(blocks, 0)
-        u = blocks[:, 2:34].view(np.int8).astype(np.int16) + 128
+        u = blocks[:, 2:34] ^ np.uint8(0x80)  # int8 q as q + 128, in uint8
         # llama.cpp never writes -128; read as -127, so that no code is 0
-        return np.maximum(u, 1).astype(np.uint8), d, -128 * d
+        return np.maximum(u, 1, out=u), d, -128 * d
     # Q4_K and Q5_K: d, dmin, 12 bytes of scales, (Q5_K: 32 bytes of high bits), 128 of nibbles
     sc, mn = _k_scales(blocks[:, 4:16])
     u = _nibbles(blocks[:, -128:].reshape(n, 4, 32)).reshape(n, 8, 32)
