@@ -31,10 +31,10 @@ class _CheckedReader(gguf.GGUFReader):
     numpy's "cannot reshape array of size ..." (or, for a newer tensor type, an enum error),
     and that reads the file through a plain ndarray view of its map.
 
-    It hooks the private _build_tensors, whose signature is the same from gguf 0.10 to 0.19,
-    and the `data` attribute that __init__ sets to the np.memmap: the reader slices the map
-    once or twice per metadata value, and np.memmap's Python-level slicing hooks made a
-    128k-token vocabulary cost seconds. The view's base keeps the map open.
+    It hooks the private _build_tensors and _get_str, whose signatures are the same from gguf
+    0.10 to 0.19, and the `data` attribute that __init__ sets to the np.memmap: the reader
+    slices the map once or twice per metadata value, and np.memmap's Python-level slicing
+    hooks made a 128k-token vocabulary cost seconds. The view's base keeps the map open.
     """
 
     filename: str
@@ -47,6 +47,14 @@ class _CheckedReader(gguf.GGUFReader):
     def data(self, mapped: np.memmap) -> None:
         self.filename = mapped.filename
         self._mapped = mapped.view(np.ndarray)
+
+    def _get_str(self, offset: int) -> tuple[np.ndarray, np.ndarray]:
+        """The private _get_str without its per-call dtype work, for native byte order: it runs
+        once per vocabulary token and merge."""
+        if self.byte_order != "I":
+            return super()._get_str(offset)
+        length = self.data[offset : offset + 8].view(np.uint64)
+        return length, self.data[offset + 8 : offset + 8 + int(length[0])]
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
         file_size = len(self.data)
