@@ -22,6 +22,10 @@ SUPPORTED_TENSOR_TYPES = (
     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
 )  # fmt: skip
 
+# Files at least this big show a progress bar over their tensors on stderr (as vLLM and
+# llama.cpp show loading progress): a 1B-class int4 file (0.7 GB) takes seconds to read.
+PROGRESS_BYTES = 512 * 2**20
+
 # Llama 3 GGUFs carry no rope-scaling metadata, only this tensor of per-frequency divisors.
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -281,7 +285,8 @@ def gguf_weights(
     expected = _tensor_names(config)
     where = _where(reader)
     weights: dict[str, torch.Tensor | GroupQuantized] = {}
-    for tensor in tqdm(reader.tensors, desc="loading GGUF", unit="tensor", disable=None):
+    quiet = len(reader.data) < PROGRESS_BYTES
+    for tensor in tqdm(reader.tensors, desc="loading GGUF", unit="tensor", disable=quiet):
         if tensor.name == ROPE_FREQS:
             continue  # already folded into config.rope_scaling
         if tensor.name not in expected:
