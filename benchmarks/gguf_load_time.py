@@ -36,7 +36,7 @@ _RUN = """
 import sys, time
 start = float(sys.argv[2])
 from tinyllm import LLM, SamplingParams
-llm = LLM(sys.argv[1], threads=int(sys.argv[3]))
+llm = LLM(sys.argv[1], threads=int(sys.argv[3]) or None)
 llm.generate([1, 2, 3], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
 print(time.time() - start)
 """
@@ -127,7 +127,7 @@ def main() -> None:
     parser.add_argument("--write", metavar="CONFIG", help="write a file of this config first")
     parser.add_argument("--type", choices=BLOCK_TYPES, default="Q4_0")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=0, help="0: tinyllm's default")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         if args.write:
