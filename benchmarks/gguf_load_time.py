@@ -1,8 +1,10 @@
-"""Time loading a GGUF file: process start to first token, several runs, min and median.
+"""Time loading a GGUF file: process start to first token, several runs, min and median, and
+the peak resident memory.
 
 `--write CONFIG` first writes a GGUF file with a named real config's shapes (tinyllm's
 loaders/configs, e.g. llama-3.2-1b) and random blocks of one type (Q4_0, Q4_1 or Q8_0) to a
-temporary directory, with a small byte-level tokenizer: real shapes without a download. Without
+temporary directory, with a small byte-level tokenizer (and no rope scaling): real shapes
+without a download. Without
 it the default model is timed. Each run is a fresh `python -c` that loads with LLM() and
 generates one token from token ids, so imports, the file's open and the packing are all counted
 (the kernels are compiled once, before the first timed run). Meant for A/B runs of two
@@ -33,12 +35,12 @@ BLOCK_TYPES = {"Q4_0": Q.Q4_0, "Q4_1": Q.Q4_1, "Q8_0": Q.Q8_0}
 _F16_FIELDS = {Q.Q4_0: (0.01,), Q.Q4_1: (0.01, -0.08), Q.Q8_0: (0.001,)}
 
 _RUN = """
-import sys, time
+import resource, sys, time
 start = float(sys.argv[2])
 from tinyllm import LLM, SamplingParams
 llm = LLM(sys.argv[1], threads=int(sys.argv[3]) or None)
 llm.generate([1, 2, 3], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
-print(time.time() - start)
+print(time.time() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
 """
 
 
@@ -109,17 +111,19 @@ def write_gguf(path: Path, model: str, qtype: Q, seed: int = 0) -> Path:
     return path
 
 
-def time_load(path: Path, runs: int, threads: int) -> list[float]:
-    """Seconds from process start to the first token, one fresh process per run."""
-    times = []
+def time_load(path: Path, runs: int, threads: int) -> list[tuple[float, float]]:
+    """(seconds from process start to the first token, peak resident GiB), one fresh process
+    per run."""
+    results = []
     for _ in range(runs + 1):  # the first run compiles the kernels if needed: not counted
         start = f"{time.time():.6f}"
         out = subprocess.run(
             [sys.executable, "-c", _RUN, str(path), start, str(threads)],
             check=True, capture_output=True, text=True,
         )  # fmt: skip
-        times.append(float(out.stdout.split()[-1]))
-    return times[1:]
+        seconds, peak = out.stdout.split()[-2:]
+        results.append((float(seconds), float(peak)))
+    return results[1:]
 
 
 def main() -> None:
@@ -138,10 +142,12 @@ def main() -> None:
             print(f"wrote {path.name}: {size:.2f} GiB in {time.perf_counter() - start:.1f} s")
         else:
             path = default_model_path()
-        times = time_load(path, args.runs, args.threads)
+        results = time_load(path, args.runs, args.threads)
+    times = [seconds for seconds, _ in results]
     print(
         f"{path.name}: process start to first token, {args.runs} runs: "
-        f"min {min(times):.2f} s, median {statistics.median(times):.2f} s"
+        f"min {min(times):.2f} s, median {statistics.median(times):.2f} s; "
+        f"peak resident {max(peak for _, peak in results):.2f} GiB"
     )
 
 
