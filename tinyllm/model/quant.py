@@ -211,7 +211,9 @@ def quantize_linears(
     keep_stored: bool = False,
 ) -> dict[str, Tensor]:
     """Replace `model`'s nn.Linear layers by quantized ones built from `state_dict`'s weights,
-    and return what is left of the state dict, dense, for the model's own load.
+    and return what is left of the state dict, dense, for the model's own load. `state_dict` is
+    consumed: each weight leaves it as its layer is built, so that a load holds one layer's
+    unpacked codes beside the packed model, not every layer's (pass a copy to keep it).
 
     mode "int4": the decoder layers' linears in 4 bits; the LM head in 8, as llama.cpp's
     quantizers keep the output layer at 6-8 bits. mode "int8": every linear in 8 bits. A tied
@@ -221,7 +223,6 @@ def quantize_linears(
     """
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantization={mode!r}: choose one of {', '.join(QUANTIZATIONS)}")
-    state_dict = dict(state_dict)
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     if mode != "none":
         if tied:
