@@ -178,6 +178,7 @@ def test_quantize_linears_rewrites_every_linear_and_ties_the_embedding():
     with torch.device("meta"):
         model = Transformer(config)
     rest = quantize_linears(model, state, "int4", torch.float32)
+    assert state.keys() == rest.keys()  # consumed: the linears' weights freed as they are packed
     model.load_weights(rest)
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     attn, head = model.model.layers[0].self_attn, model.lm_head
