@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from tinyllm.loaders import gguf as gguf_loader
 from tinyllm.loaders.gguf import gguf_config, gguf_weights, load_gguf, open_gguf
 from tinyllm.model.config import ModelLoadError, UnsupportedModelError
 
@@ -277,6 +278,19 @@ def test_dtype_is_applied(tmp_path: Path):
     bf16 = gguf_weights(reader, config, dtype=torch.bfloat16)
     assert all(w.dtype == torch.bfloat16 for w in bf16.values())
     assert all(torch.equal(bf16[name], w.to(torch.bfloat16)) for name, w in full.items())
+
+
+@pytest.mark.parametrize("threshold", [1, 2**40])
+def test_progress_only_for_big_files(tmp_path: Path, capfd, monkeypatch, threshold: int):
+    """A file at least PROGRESS_BYTES long shows its tensors' progress on stderr; a smaller one
+    (the default model's, in every test) loads silently."""
+    reader = open_gguf(write_gguf(tmp_path / "m.gguf", hf_weights(), qtype=Q.Q4_0))
+    monkeypatch.setattr(gguf_loader, "PROGRESS_BYTES", threshold)
+    gguf_weights(reader, gguf_config(reader), keep_quantized=True)
+    out, err = capfd.readouterr()
+    assert not out
+    assert ("loading GGUF: 100%" in err) == (threshold == 1)
+    assert ("tensor" in err) == (threshold == 1)
 
 
 def test_metadata_defaults_and_vocab_fallbacks(tmp_path: Path):

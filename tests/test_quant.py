@@ -81,6 +81,34 @@ def test_pack_round_trips_and_pads_rows_to_tiles(bits):
     assert not dense[40:].any()
 
 
+def reference_pack(w: GroupQuantized) -> torch.Tensor:
+    """pack as first written (permute, combine nibbles, concatenate): the byte layout the
+    in-place pack must keep."""
+    u = w.q.to(torch.uint8)
+    pad = -len(u) % 16
+    u, d, m = (nn.functional.pad(t, (0, 0, 0, pad)) for t in (u, w.scale, w.zero))
+    tiles, blocks = len(u) // 16, d.shape[1]
+    if w.bits == 4:
+        c = u.view(tiles, 16, blocks, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+        codes = (c[..., 0] | c[..., 1] << 4).reshape(tiles, blocks, -1)
+    else:
+        codes = u.view(tiles, 16, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, blocks, -1)
+    d, m = (t.view(tiles, 16, blocks).transpose(1, 2).half() for t in (d, m))
+    scales = torch.cat([d, m], dim=-1).contiguous().view(torch.uint8)
+    return torch.cat([codes, scales], dim=-1).contiguous()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", [(64, 256), (40, 96), (16, 32), (1, 64)])
+def test_pack_bytes_are_the_reference_layout(bits, shape):
+    """Every byte of pack's output, padding included, is what the reference layout gives, for
+    random codes and for scales that fp16 must round (as int4_groups' unrounded ones)."""
+    gen = torch.Generator().manual_seed(sum(shape) + bits)
+    g = random_groups(*shape, bits, gen)
+    g.scale = g.scale * (1 + torch.rand(g.scale.shape, generator=gen) * 1e-3)
+    assert torch.equal(pack(g), reference_pack(g))
+
+
 SHAPES = [(96, 128), (40, 70), (33, 32)]  # K = 70: a partial last block; N = 33, 40: tiles
 
 
@@ -150,6 +178,7 @@ def test_quantize_linears_rewrites_every_linear_and_ties_the_embedding():
     with torch.device("meta"):
         model = Transformer(config)
     rest = quantize_linears(model, state, "int4", torch.float32)
+    assert state.keys() == rest.keys()  # consumed: the linears' weights freed as they are packed
     model.load_weights(rest)
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     attn, head = model.model.layers[0].self_attn, model.lm_head

@@ -17,8 +17,12 @@ sometimes loops until max_tokens.
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tinyllm.model.config import ModelLoadError
+
+if TYPE_CHECKING:
+    import gguf
 
 log = logging.getLogger("tinyllm")
 
@@ -46,11 +50,12 @@ _GGUF_KEYS = {
 }
 
 
-def model_recommendations(path: Path) -> dict[str, object]:
+def model_recommendations(path: Path, reader: "gguf.GGUFReader | None" = None) -> dict[str, object]:
     """The sampling settings the model at `path` (a .gguf file or an HF directory) recommends,
-    as SamplingParams fields; empty when it carries none."""
+    as SamplingParams fields; empty when it carries none. `reader`: the file, already open (a
+    second parse of a large vocabulary costs seconds)."""
     if path.is_file():
-        return _from_gguf(path)
+        return _from_gguf(reader or _open(path))
     config = path / "generation_config.json"
     if not config.is_file():
         return {}
@@ -61,10 +66,13 @@ def model_recommendations(path: Path) -> dict[str, object]:
     return {field: raw[key] for key, field in _HF_KEYS.items() if raw.get(key) is not None}
 
 
-def _from_gguf(path: Path) -> dict[str, object]:
+def _open(path: Path) -> "gguf.GGUFReader":
     import gguf
 
-    reader = gguf.GGUFReader(path)
+    return gguf.GGUFReader(path)
+
+
+def _from_gguf(reader: "gguf.GGUFReader") -> dict[str, object]:
     out = {}
     for key, field in _GGUF_KEYS.items():
         value = reader.get_field(key)
@@ -81,11 +89,14 @@ def check_generation_config(generation_config: str) -> None:
         )
 
 
-def default_sampling(generation_config: str, path: Path) -> dict[str, object]:
-    """The SamplingParams fields a request that leaves them out gets, for the model at `path`."""
+def default_sampling(
+    generation_config: str, path: Path, reader: "gguf.GGUFReader | None" = None
+) -> dict[str, object]:
+    """The SamplingParams fields a request that leaves them out gets, for the model at `path`
+    (`reader`: its GGUF file, already open)."""
     if generation_config == "vllm":
         return {}
-    model = model_recommendations(path)
+    model = model_recommendations(path, reader)
     defaults: dict[str, object] = {"max_tokens": DEFAULT_MAX_TOKENS}
     # A model that recommends some sampling settings means HF's defaults for the others (so
     # temperature 1.0): our greedy fallback would go against its intent.

@@ -108,13 +108,17 @@ class LLM:
             loaded = load_model(model, torch_dtype, quantization != "none", files)
         with torch.device("meta"), _SkipInit():
             net = Transformer(loaded.config)
+        params = sum(t.numel() for t in loaded.weights.values())
         weights = fuse_projections(loaded.weights, loaded.config.num_layers)
+        loaded.weights.clear()  # `weights` holds each tensor now: freed as its layer is packed
         dense = quantize_linears(net, weights, quantization, torch_dtype, keep_stored)
         net.load_weights({k: v.to(dev) for k, v in dense.items()})
-        _log_loaded(loaded.name, loaded.weights.values(), net, time.perf_counter() - start)
+        _log_loaded(loaded.name, params, net, time.perf_counter() - start)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
-        self.default_sampling = default_sampling(generation_config, loaded.path)
+        self.default_sampling = default_sampling(
+            generation_config, loaded.path, files.reader if files else None
+        )
         try:
             self.get_default_sampling_params()
         except ValueError as e:
@@ -240,9 +244,8 @@ class LLM:
         return done
 
 
-def _log_loaded(name: str, checkpoint, net: torch.nn.Module, seconds: float) -> None:
+def _log_loaded(name: str, params: int, net: torch.nn.Module, seconds: float) -> None:
     # Parameters as the checkpoint counts them; bytes as they sit in memory (dtype, packing).
-    params = sum(t.numel() for t in checkpoint)
     tensors = [*net.parameters(), *net.buffers()]
     size = sum(t.numel() * t.element_size() for t in tensors)
     log.info(

@@ -22,16 +22,43 @@ SUPPORTED_TENSOR_TYPES = (
     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
 )  # fmt: skip
 
+# Files at least this big show a progress bar over their tensors on stderr (as vLLM and
+# llama.cpp show loading progress): a 1B-class int4 file (0.7 GB) takes seconds to read.
+PROGRESS_BYTES = 512 * 2**20
+
 # Llama 3 GGUFs carry no rope-scaling metadata, only this tensor of per-frequency divisors.
 ROPE_FREQS = "rope_freqs.weight"
 
 
 class _CheckedReader(gguf.GGUFReader):
     """A GGUFReader that names the tensor a truncated file cuts off, instead of failing with
-    numpy's "cannot reshape array of size ..." (or, for a newer tensor type, an enum error).
+    numpy's "cannot reshape array of size ..." (or, for a newer tensor type, an enum error),
+    and that reads the file through a plain ndarray view of its map.
 
-    It hooks the private _build_tensors, whose signature is the same from gguf 0.10 to 0.19.
+    It hooks the private _build_tensors and _get_str, whose signatures are the same from gguf
+    0.10 to 0.19, and the `data` attribute that __init__ sets to the np.memmap: the reader
+    slices the map once or twice per metadata value, and np.memmap's Python-level slicing
+    hooks made a 128k-token vocabulary cost seconds. The view's base keeps the map open.
     """
+
+    filename: str
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._mapped
+
+    @data.setter
+    def data(self, mapped: np.memmap) -> None:
+        self.filename = mapped.filename
+        self._mapped = mapped.view(np.ndarray)
+
+    def _get_str(self, offset: int) -> tuple[np.ndarray, np.ndarray]:
+        """The private _get_str without its per-call dtype work, for native byte order: it runs
+        once per vocabulary token and merge."""
+        if self.byte_order != "I":
+            return super()._get_str(offset)
+        length = self.data[offset : offset + 8].view(np.uint64)
+        return length, self.data[offset + 8 : offset + 8 + int(length[0])]
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
         file_size = len(self.data)
@@ -73,6 +100,11 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
         raise ModelLoadError(f"{path}: corrupt GGUF header ({type(e).__name__}: {e})") from e
 
 
+def _where(reader: gguf.GGUFReader) -> str:
+    """The file's name, for errors (open_gguf's reader keeps it beside its plain view)."""
+    return getattr(reader, "filename", None) or reader.data.filename
+
+
 def _value(reader: gguf.GGUFReader, key: str, default=None):
     """A scalar or string metadata value (ReaderField.contents() is missing from older gguf)."""
     field = reader.get_field(key)
@@ -89,7 +121,7 @@ def _value(reader: gguf.GGUFReader, key: str, default=None):
 def _required(reader: gguf.GGUFReader, key: str):
     value = _value(reader, key)
     if value is None:
-        raise ModelLoadError(f"{reader.data.filename}: GGUF metadata lacks {key!r}")
+        raise ModelLoadError(f"{_where(reader)}: GGUF metadata lacks {key!r}")
     return value
 
 
@@ -145,11 +177,11 @@ def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
     arch = _required(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
-            f"{reader.data.filename}: unsupported architecture {arch!r}; "
+            f"{_where(reader)}: unsupported architecture {arch!r}; "
             f"tinyllm runs GGUF {', '.join(GGUF_ARCHITECTURES)}"
         )
     if _value(reader, f"{arch}.expert_count", 0) > 0:
-        raise UnsupportedModelError(f"{reader.data.filename}: mixture-of-experts is not supported")
+        raise UnsupportedModelError(f"{_where(reader)}: mixture-of-experts is not supported")
     names = {t.name for t in reader.tensors}
     hidden = _required(reader, f"{arch}.embedding_length")
     heads = _required(reader, f"{arch}.attention.head_count")
@@ -157,7 +189,7 @@ def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
     rotary_dims = _value(reader, f"{arch}.rope.dimension_count", head_dim)
     if rotary_dims != head_dim:
         raise UnsupportedModelError(
-            f"{reader.data.filename}: rotary embedding on {rotary_dims} of {head_dim} head dims"
+            f"{_where(reader)}: rotary embedding on {rotary_dims} of {head_dim} head dims"
         )
     vocab_size = _value(reader, f"{arch}.vocab_size")
     if vocab_size is None and (tokens := reader.get_field("tokenizer.ggml.tokens")) is not None:
@@ -165,7 +197,7 @@ def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
     if vocab_size is None:
         embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
         if embedding is None:
-            raise ModelLoadError(f"{reader.data.filename}: no vocab size and no token_embd.weight")
+            raise ModelLoadError(f"{_where(reader)}: no vocab size and no token_embd.weight")
         vocab_size = int(embedding.shape[-1])  # ne order: rows come last
     rope_theta = float(_value(reader, f"{arch}.rope.freq_base", 10000.0))
     return ModelConfig(
@@ -251,9 +283,10 @@ def gguf_weights(
     except, with `keep_quantized`, the quantized ones, as groups for the quantized linear layers
     at their KERNEL_BITS (loaders/gguf_blocks.py: most as stored, never dequantized)."""
     expected = _tensor_names(config)
-    where = reader.data.filename
+    where = _where(reader)
     weights: dict[str, torch.Tensor | GroupQuantized] = {}
-    for tensor in tqdm(reader.tensors, desc="loading GGUF", unit="tensor", disable=None):
+    quiet = len(reader.data) < PROGRESS_BYTES
+    for tensor in tqdm(reader.tensors, desc="loading GGUF", unit="tensor", disable=quiet):
         if tensor.name == ROPE_FREQS:
             continue  # already folded into config.rope_scaling
         if tensor.name not in expected:

@@ -110,17 +110,27 @@ def pack(w: GroupQuantized) -> Tensor:
     if w.bits == 8 and u.numel() and u.min() == 0:
         raise ValueError("8-bit codes must be in 1..255, got a 0 (see model/quant.py pack)")
     pad = -len(u) % TILE  # zero rows, whose outputs are never written
-    u, d, m = (nn.functional.pad(t, (0, 0, 0, pad)) for t in (u, w.scale, w.zero))
+    d, m = w.scale, w.zero
+    if pad:
+        u, d, m = (nn.functional.pad(t, (0, 0, 0, pad)) for t in (u, d, m))
     tiles, blocks = len(u) // TILE, d.shape[1]
+    n_code = TILE * GROUP * w.bits // 8
+    # Written in place, field by field: no intermediate copy of the codes.
+    out = torch.empty(tiles, blocks, n_code + 4 * TILE, dtype=torch.uint8)
     if w.bits == 4:
-        # (tile, row, block, chunk, nibble, j) -> (tile, block, chunk, row, j, nibble)
-        c = u.view(tiles, TILE, blocks, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
-        codes = (c[..., 0] | c[..., 1] << 4).reshape(tiles, blocks, -1)
+        # codes (tile, block, chunk, row, j): weights 8 * chunk + j (low nibble), + 4 (high)
+        codes = out[..., :n_code].view(tiles, blocks, 4, TILE, 4).permute(0, 3, 1, 2, 4)
+        c = u.view(tiles, TILE, blocks, 4, 2, 4)
+        codes.copy_(c[..., 1, :])
+        codes <<= 4
+        codes |= c[..., 0, :]
     else:
-        codes = u.view(tiles, TILE, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, blocks, -1)
-    d, m = (t.view(tiles, TILE, blocks).transpose(1, 2).half() for t in (d, m))
-    scales = torch.cat([d, m], dim=-1).contiguous().view(torch.uint8)
-    return torch.cat([codes, scales], dim=-1).contiguous()
+        codes = out[..., :n_code].view(tiles, blocks, 8, TILE, 4).permute(0, 3, 1, 2, 4)
+        codes.copy_(u.view(tiles, TILE, blocks, 8, 4))
+    scales = out[..., n_code:].view(torch.float16).view(tiles, blocks, 2, TILE)
+    for i, t in enumerate((d, m)):
+        scales[:, :, i].copy_(t.view(tiles, TILE, blocks).transpose(1, 2))
+    return out
 
 
 def unpack(packed: Tensor, bits: int, rows: Tensor | None = None) -> Tensor:
@@ -201,7 +211,9 @@ def quantize_linears(
     keep_stored: bool = False,
 ) -> dict[str, Tensor]:
     """Replace `model`'s nn.Linear layers by quantized ones built from `state_dict`'s weights,
-    and return what is left of the state dict, dense, for the model's own load.
+    and return what is left of the state dict, dense, for the model's own load. `state_dict` is
+    consumed: each weight leaves it as its layer is built, so that a load holds one layer's
+    unpacked codes beside the packed model, not every layer's (pass a copy to keep it).
 
     mode "int4": the decoder layers' linears in 4 bits; the LM head in 8, as llama.cpp's
     quantizers keep the output layer at 6-8 bits. mode "int8": every linear in 8 bits. A tied
@@ -211,7 +223,6 @@ def quantize_linears(
     """
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantization={mode!r}: choose one of {', '.join(QUANTIZATIONS)}")
-    state_dict = dict(state_dict)
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     if mode != "none":
         if tied:
