@@ -1,11 +1,14 @@
-"""Running an app under uvicorn on 127.0.0.1 in the test process."""
+"""Running an app under uvicorn on 127.0.0.1 in the test process, and a client for it."""
 
 import contextlib
 import threading
 import time
 from collections.abc import Iterator
 
+import openai
 import uvicorn
+
+from tinyllm.entrypoints.server.app import create_app
 
 
 @contextlib.contextmanager
@@ -24,3 +27,12 @@ def serving(app) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+@contextlib.contextmanager
+def openai_client(llm) -> Iterator[openai.OpenAI]:
+    """`llm` behind tinyllm's server, and the official client pointed at it (`.model` set)."""
+    with serving(create_app(llm)) as url:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as c:
+            c.model = llm.model_name
+            yield c

@@ -12,8 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.http_server import serving
-from tinyllm.entrypoints.server.app import create_app
+from tests.http_server import openai_client
 
 pytestmark = pytest.mark.slow
 
@@ -61,10 +60,8 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 @pytest.fixture(scope="module")
 def client(default_llm):
-    with serving(create_app(default_llm)) as url:
-        with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as c:
-            c.model = default_llm.model_name
-            yield c
+    with openai_client(default_llm) as c:
+        yield c
 
 
 def ask(client, prompt: str | list[dict], tool_choice, **kw):
