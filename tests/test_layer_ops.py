@@ -5,7 +5,9 @@ import re
 
 import pytest
 import torch
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+# Phi-3's: Llama's rotation, over each head's first dims where the tables are narrower.
+from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
 
 from tinyllm.model import cpu_library, layer_ops
 from tinyllm.model.cpu_library import library_error
@@ -45,13 +47,15 @@ def test_rms_norm_adds_the_residual_in_place(dtype):
     torch.testing.assert_close(out, expected_out, **tol(dtype))
 
 
+@pytest.mark.parametrize("rotated", [64, 48], ids=["whole-head", "partial"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_matches_transformers(dtype):
+def test_rotary_matches_transformers(dtype, rotated):
     """q and k heads rotated in place inside a fused qkv row, v untouched, as transformers'
-    apply_rotary_pos_emb rotates separate q and k."""
+    apply_rotary_pos_emb rotates separate q and k; with partial rotary (Phi-4-mini), only each
+    head's first `rotated` dims."""
     gen = torch.Generator().manual_seed(2)
     n, hq, hkv, d = 7, 4, 2, 64
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).double() / d))
+    inv = 1.0 / (10000 ** (torch.arange(0, rotated, 2).double() / rotated))
     freqs = torch.outer(torch.arange(100).double(), inv)
     cos, sin = freqs.cos().float(), freqs.sin().float()
     positions = torch.randint(0, 100, (n,), generator=gen)

@@ -88,7 +88,8 @@ void rms_norm(const at::Tensor& out, const at::Tensor& x, const std::optional<at
 }
 
 // Rotary embedding in place on the first `heads` heads of each token's row of `qkv` (N, width),
-// Hugging Face's rotate-half layout: x[i] pairs with x[i + D/2]. cos, sin: (positions, D/2).
+// Hugging Face's rotate-half layout over each head's first R dims: x[i] pairs with x[i + R/2].
+// cos, sin: (positions, R/2); R is the head's D but for partial rotary (Phi-4-mini: 96 of 128).
 void rotary(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
             const at::Tensor& sin, int64_t heads, int64_t head_dim) {
   TORCH_CHECK(qkv.device().is_cpu(), "rotary: qkv must be on the CPU, not ", qkv.device());
@@ -97,16 +98,16 @@ void rotary(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor
   check_array("rotary", "positions", positions, at::kLong);
   check_array("rotary", "cos", cos, at::kFloat);
   check_array("rotary", "sin", sin, at::kFloat);
-  const int64_t n = qkv.size(0), stride = qkv.stride(0), half = head_dim / 2;
+  const int64_t n = qkv.size(0), stride = qkv.stride(0), half = cos.dim() == 2 ? cos.size(1) : 0;
   TORCH_CHECK(positions.dim() == 1 && positions.size(0) == n, "rotary: positions ",
               positions.sizes(), " must be [", n, "], one per row of qkv");
   TORCH_CHECK(head_dim >= 0 && head_dim % 2 == 0, "rotary: head_dim must be even, not ",
               head_dim);
   TORCH_CHECK(heads >= 0 && heads * head_dim <= qkv.size(1), "rotary: ", heads, " heads of ",
               head_dim, " do not fit in qkv's rows of ", qkv.size(1));
-  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == half && sin.sizes() == cos.sizes(), "rotary: cos ",
-              cos.sizes(), " and sin ", sin.sizes(), " must both be [positions, ", half,
-              "]: head_dim / 2 frequencies");
+  TORCH_CHECK(cos.dim() == 2 && 2 * half <= head_dim && sin.sizes() == cos.sizes(), "rotary: cos ",
+              cos.sizes(), " and sin ", sin.sizes(), " must both be [positions, at most ",
+              head_dim / 2, "]: one frequency per pair of rotated dims");
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t t = 0; t < n; ++t) {
     TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rotary: position ", pos[t],

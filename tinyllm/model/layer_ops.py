@@ -44,8 +44,8 @@ def rms_norm_torch(x: Tensor, weight: Tensor, eps: float, residual: Tensor | Non
 
 def rotary(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, heads: int, head_dim: int):
     """Rotate, in place, the first `heads` heads of each token's row of `qkv` (N, width) by its
-    position, in Hugging Face's rotate-half layout. cos, sin: (max positions, head_dim / 2),
-    fp32."""
+    position, in Hugging Face's rotate-half layout over each head's first R dims. cos, sin:
+    (max positions, R / 2), fp32; R is head_dim but for partial rotary (Phi-4-mini)."""
     if native(qkv) and qkv.stride(-1) == 1:
         torch.ops.tinyllm.rotary(qkv, positions, cos, sin, heads, head_dim)
     else:
@@ -53,7 +53,7 @@ def rotary(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, heads: int,
 
 
 def rotary_torch(qkv, positions, cos, sin, heads, head_dim):
-    x = qkv[:, : heads * head_dim].view(len(qkv), heads, head_dim)
+    x = qkv[:, : heads * head_dim].view(len(qkv), heads, head_dim)[..., : 2 * cos.shape[1]]
     c, s = cos[positions][:, None], sin[positions][:, None]
     a, b = x.float().chunk(2, dim=-1)
     x.copy_(torch.cat([a * c - b * s, b * c + a * s], dim=-1))
