@@ -28,6 +28,9 @@ LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    # Phi-3's stacked projections (arch "phi3")
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
 }
 TOP_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -429,7 +432,7 @@ def test_truncated_in_tensor_data(tmp_path: Path):
 
 def test_unsupported_architecture(tmp_path: Path):
     path = write_gguf(tmp_path / "m.gguf", {}, arch="gpt2")
-    with pytest.raises(UnsupportedModelError, match="unsupported architecture 'gpt2'"):
+    with pytest.raises(UnsupportedModelError, match="GGUF architecture 'gpt2' is not supported"):
         gguf_config(open_gguf(path))
 
 

@@ -228,7 +228,7 @@ def test_kquant_file_matches_transformers(kquant_file: tuple[Path, float]):
     ("arch", "qtype", "message"),
     [
         ("llama", Q.IQ2_XXS, "'blk.1.ffn_down.weight' has unsupported type IQ2_XXS"),
-        ("gpt2", Q.Q4_K, "unsupported architecture 'gpt2'"),
+        ("gpt2", Q.Q4_K, "GGUF architecture 'gpt2' is not supported"),
     ],
 )
 def test_unsupported_file_is_one_line(tmp_path: Path, capsys, arch: str, qtype: Q, message: str):

@@ -86,6 +86,7 @@ class LLM:
             raise ValueError(f"load_format={load_format!r}: choose {' or '.join(LOAD_FORMATS)}")
         dev = resolve_device(device)
         check_generation_config(generation_config)
+        engine_config = EngineConfig(**engine_args)  # bad engine arguments fail before loading
         if threads is not None:
             set_threads(threads)
         if dev.type == "cpu":
@@ -112,7 +113,7 @@ class LLM:
         weights = fuse_projections(loaded.weights, loaded.config.num_layers)
         loaded.weights.clear()  # `weights` holds each tensor now: freed as its layer is packed
         dense = quantize_linears(net, weights, quantization, torch_dtype, keep_stored)
-        net.load_weights({k: v.to(dev) for k, v in dense.items()})
+        net.load_weights({k: v.to(dev) for k, v in dense.items()}, engine_config.max_model_len)
         _log_loaded(loaded.name, params, net, time.perf_counter() - start)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -126,7 +127,7 @@ class LLM:
                 f"{loaded.path}: its recommended sampling settings are invalid ({e}); "
                 "use generation_config='vllm' (--generation-config vllm)"
             ) from None
-        self.engine = LLMEngine(net.eval(), loaded.tokenizer, EngineConfig(**engine_args))
+        self.engine = LLMEngine(net.eval(), loaded.tokenizer, engine_config)
         del files, loaded, weights, dense  # the file as read: the model holds what it keeps
         release_free_heap()
 

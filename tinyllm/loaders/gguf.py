@@ -11,10 +11,16 @@ import torch
 from tqdm import tqdm
 
 from tinyllm.loaders.gguf_blocks import KERNEL_BITS, groups
-from tinyllm.model.config import ModelConfig, ModelLoadError, UnsupportedModelError
+from tinyllm.model.config import (
+    ModelConfig,
+    ModelLoadError,
+    UnsupportedModelError,
+    serve_within_window,
+    unsupported_architecture,
+)
 from tinyllm.model.quant import GroupQuantized
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # Mistral GGUFs say "llama"
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")  # Mistral GGUFs say "llama"
 
 Q = gguf.GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = (
@@ -28,6 +34,12 @@ PROGRESS_BYTES = 512 * 2**20
 
 # Llama 3 GGUFs carry no rope-scaling metadata, only this tensor of per-frequency divisors.
 ROPE_FREQS = "rope_freqs.weight"
+# Phi-3's LongRoPE factors (llama.cpp's converter writes them for Phi-3.5 and Phi-4-mini).
+LONGROPE_FACTORS = {
+    "short_factor": "rope_factors_short.weight",
+    "long_factor": "rope_factors_long.weight",
+}
+CONFIG_TENSORS = (ROPE_FREQS, *LONGROPE_FACTORS.values())
 
 
 class _CheckedReader(gguf.GGUFReader):
@@ -156,6 +168,34 @@ def _llama3_rope_scaling(
     }
 
 
+def _tensor_values(reader: gguf.GGUFReader, name: str) -> np.ndarray | None:
+    """A small tensor that configures the model (CONFIG_TENSORS), as float64; None if absent."""
+    tensor = next((t for t in reader.tensors if t.name == name), None)
+    if tensor is None:
+        return None
+    return gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float64)
+
+
+def _longrope_scaling(reader: gguf.GGUFReader, arch: str, context: int) -> dict | None:
+    """Phi-3's LongRoPE from its factor tensors, as llama.cpp's converter stores them."""
+    factors = {key: _tensor_values(reader, name) for key, name in LONGROPE_FACTORS.items()}
+    if all(f is None for f in factors.values()):
+        return None
+    if any(f is None for f in factors.values()):
+        both = " and ".join(LONGROPE_FACTORS.values())
+        raise ModelLoadError(f"{_where(reader)}: LongRoPE needs both {both}")
+    original = _required(reader, f"{arch}.rope.scaling.original_context_length")
+    factor = context / original
+    # The converter writes transformers' default; a file without it gets the same.
+    default = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    return {
+        "rope_type": "longrope",
+        **{key: f.tolist() for key, f in factors.items()},
+        "original_max_position_embeddings": original,
+        "attention_factor": _value(reader, f"{arch}.rope.scaling.attn_factor", default),
+    }
+
+
 def _rope_scaling(reader: gguf.GGUFReader, arch: str, head_dim: int, theta: float) -> dict | None:
     original = _value(reader, f"{arch}.rope.scaling.original_context_length")
     kind = _value(reader, f"{arch}.rope.scaling.type")
@@ -164,10 +204,11 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str, head_dim: int, theta: floa
         if original is not None:
             scaling["original_max_position_embeddings"] = original
         return scaling
-    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
-    if freqs is None:
+    if arch == "phi3":
+        return _longrope_scaling(reader, arch, _required(reader, f"{arch}.context_length"))
+    factors = _tensor_values(reader, ROPE_FREQS)
+    if factors is None:
         return None
-    factors = gguf.quants.dequantize(freqs.data, freqs.tensor_type).astype(np.float64)
     # llama.cpp's converter assumes 8192 (Llama 3's) when the HF config does not say.
     return _llama3_rope_scaling(factors, head_dim, theta, original or 8192)
 
@@ -176,10 +217,8 @@ def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
     """Build a ModelConfig from GGUF metadata and the presence of optional tensors."""
     arch = _required(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"{_where(reader)}: unsupported architecture {arch!r}; "
-            f"tinyllm runs GGUF {', '.join(GGUF_ARCHITECTURES)}"
-        )
+        error = unsupported_architecture(f"GGUF architecture {arch!r}", arch)
+        raise UnsupportedModelError(f"{_where(reader)}: {error}")
     if _value(reader, f"{arch}.expert_count", 0) > 0:
         raise UnsupportedModelError(f"{_where(reader)}: mixture-of-experts is not supported")
     names = {t.name for t in reader.tensors}
@@ -187,7 +226,7 @@ def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
     heads = _required(reader, f"{arch}.attention.head_count")
     head_dim = _value(reader, f"{arch}.attention.key_length", hidden // heads)
     rotary_dims = _value(reader, f"{arch}.rope.dimension_count", head_dim)
-    if rotary_dims != head_dim:
+    if rotary_dims != head_dim and arch != "phi3":  # Phi-4-mini rotates 96 of 128
         raise UnsupportedModelError(
             f"{_where(reader)}: rotary embedding on {rotary_dims} of {head_dim} head dims"
         )
@@ -200,7 +239,7 @@ def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
             raise ModelLoadError(f"{_where(reader)}: no vocab size and no token_embd.weight")
         vocab_size = int(embedding.shape[-1])  # ne order: rows come last
     rope_theta = float(_value(reader, f"{arch}.rope.freq_base", 10000.0))
-    return ModelConfig(
+    config = ModelConfig(
         architecture=arch,
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -216,7 +255,11 @@ def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
+        rotary_dim=rotary_dims if rotary_dims != head_dim else None,
     )
+    if arch == "phi3":  # llama.cpp's converter writes 0 for Phi-3 models without a window
+        serve_within_window(config, _value(reader, f"{arch}.attention.sliding_window", 0))
+    return config
 
 
 def _tensor_names(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -231,15 +274,19 @@ def _tensor_names(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]
         names["output.weight"] = ("lm_head.weight", (vocab, h))
     layer = {
         "attn_norm.weight": ("input_layernorm.weight", (h,)),
-        "attn_q.weight": ("self_attn.q_proj.weight", (q, h)),
-        "attn_k.weight": ("self_attn.k_proj.weight", (kv, h)),
-        "attn_v.weight": ("self_attn.v_proj.weight", (kv, h)),
         "attn_output.weight": ("self_attn.o_proj.weight", (h, q)),
         "ffn_norm.weight": ("post_attention_layernorm.weight", (h,)),
-        "ffn_gate.weight": ("mlp.gate_proj.weight", (ffn, h)),
-        "ffn_up.weight": ("mlp.up_proj.weight", (ffn, h)),
         "ffn_down.weight": ("mlp.down_proj.weight", (h, ffn)),
     }
+    if config.architecture == "phi3":  # stacked as in the HF checkpoint: q|k|v and gate|up
+        layer["attn_qkv.weight"] = ("self_attn.qkv_proj.weight", (q + 2 * kv, h))
+        layer["ffn_up.weight"] = ("mlp.gate_up_proj.weight", (2 * ffn, h))
+    else:
+        layer["attn_q.weight"] = ("self_attn.q_proj.weight", (q, h))
+        layer["attn_k.weight"] = ("self_attn.k_proj.weight", (kv, h))
+        layer["attn_v.weight"] = ("self_attn.v_proj.weight", (kv, h))
+        layer["ffn_gate.weight"] = ("mlp.gate_proj.weight", (ffn, h))
+        layer["ffn_up.weight"] = ("mlp.up_proj.weight", (ffn, h))
     if config.attention_bias:
         layer["attn_q.bias"] = ("self_attn.q_proj.bias", (q,))
         layer["attn_k.bias"] = ("self_attn.k_proj.bias", (kv,))
@@ -287,7 +334,7 @@ def gguf_weights(
     weights: dict[str, torch.Tensor | GroupQuantized] = {}
     quiet = len(reader.data) < PROGRESS_BYTES
     for tensor in tqdm(reader.tensors, desc="loading GGUF", unit="tensor", disable=quiet):
-        if tensor.name == ROPE_FREQS:
+        if tensor.name in CONFIG_TENSORS:
             continue  # already folded into config.rope_scaling
         if tensor.name not in expected:
             raise UnsupportedModelError(f"{where}: unexpected tensor {tensor.name!r}")

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -13,6 +14,8 @@ from tinyllm.model.config import (
     ModelConfig,
     ModelLoadError,
     UnsupportedModelError,
+    serve_within_window,
+    unsupported_architecture,
 )
 
 log = logging.getLogger(__name__)
@@ -22,9 +25,12 @@ _ARCH_BY_CLASS = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
 # Kept in step with model.Rope: checked here so an unsupported model fails before its weights load.
-_ROPE_TYPES = (None, "default", "llama3", "linear")
+_ROPE_TYPES = (None, "default", "llama3", "linear", "longrope")
+# Phi-3's configs written before transformers named LongRoPE (transformers reads them the same).
+_PHI3_LONGROPE_ALIASES = ("su", "yarn")
 # Buffers some checkpoints saved alongside the weights; tinyllm recomputes them.
 _UNUSED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -40,48 +46,96 @@ def _read_json(path: Path) -> dict:
 
 def _architecture(cfg: dict) -> str:
     model_type = cfg.get("model_type")
+    names = cfg.get("architectures") or []
     if model_type is None:
-        names = cfg.get("architectures") or []
         model_type = next((_ARCH_BY_CLASS[n] for n in names if n in _ARCH_BY_CLASS), None)
         if model_type is None:
-            raise UnsupportedModelError(
-                f"unsupported architectures {names}; tinyllm runs {', '.join(_ARCH_BY_CLASS)}"
-            )
+            raise unsupported_architecture(" or ".join(names) or "a config without model_type", "")
     if model_type not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"unsupported model_type {model_type!r}; "
-            f"tinyllm runs {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+        name = f"{names[0]} (model_type {model_type!r})" if names else f"model_type {model_type!r}"
+        raise unsupported_architecture(name, model_type)
     return model_type
 
 
-def _rope(cfg: dict) -> tuple[float, dict | None]:
-    """(theta, scaling): transformers 5 keeps both in `rope_parameters`, older configs split them
-    into `rope_theta` and `rope_scaling`."""
+def _longrope(params: dict, cfg: dict) -> dict:
+    """Phi-3's LongRoPE parameters, with the attention factor transformers derives when the
+    config does not give one (from `factor`, else the context's growth over the pretrained one)."""
+    # Phi-3's configs keep the pretrained context beside rope_scaling, not in it.
+    params = {"original_max_position_embeddings": cfg.get("original_max_position_embeddings")} | {
+        k: v for k, v in params.items() if v is not None
+    }
+    for key in ("original_max_position_embeddings", "short_factor", "long_factor"):
+        if params.get(key) is None:
+            raise ModelLoadError(f"longrope rope scaling lacks {key!r}")
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or cfg["max_position_embeddings"] / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        grown = factor > 1
+        attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if grown else 1.0
+    return {
+        "rope_type": "longrope",
+        "short_factor": params["short_factor"],
+        "long_factor": params["long_factor"],
+        "original_max_position_embeddings": original,
+        "attention_factor": attention_factor,
+    }
+
+
+def _rope(cfg: dict, arch: str) -> tuple[float, dict | None, float]:
+    """(theta, scaling, partial_rotary_factor): transformers 5 keeps them in `rope_parameters`,
+    older configs split them into `rope_theta`, `rope_scaling` and `partial_rotary_factor`."""
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     kind = params.get("rope_type", params.get("type"))
+    if arch == "phi3" and kind in _PHI3_LONGROPE_ALIASES:
+        kind = "longrope"
     if kind not in _ROPE_TYPES:
         raise UnsupportedModelError(
-            f"unsupported rope scaling {kind!r}; tinyllm supports llama3 and linear"
+            f"unsupported rope scaling {kind!r}; tinyllm supports llama3, linear and longrope"
         )
-    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    return theta, (scaling if kind not in (None, "default") else None)
+    if kind == "longrope":
+        return theta, _longrope(params, cfg), partial
+    drop = ("rope_theta", "partial_rotary_factor")
+    scaling = {k: v for k, v in params.items() if k not in drop}
+    return theta, (scaling if kind not in (None, "default") else None), partial
+
+
+def _sliding_window(cfg: dict, config: ModelConfig) -> None:
+    """A sliding window shorter than the context: Phi-3's is served by cutting the context to it
+    (where full attention is the same); Mistral's is recorded, and attention stays full."""
+    window, arch = cfg.get("sliding_window"), config.architecture
+    # Qwen configs carry a window they leave switched off unless use_sliding_window is set.
+    active = arch in ("mistral", "phi3") or cfg.get("use_sliding_window", False)
+    if not (active and window and window < config.max_position_embeddings):
+        return
+    if arch == "phi3":
+        serve_within_window(config, window)
+        return
+    config.extra["sliding_window"] = window
+    log.warning(
+        "%s sets sliding_window=%d; tinyllm attends to the full context, so outputs "
+        "differ from the reference past %d tokens",
+        arch,
+        window,
+        window,
+    )
 
 
 def hf_config(model_dir: str | Path) -> ModelConfig:
-    """Read `config.json` of a Llama, Mistral, Qwen2 or Qwen3 checkpoint (`model_dir` is its
-    directory, or the file itself)."""
+    """Read `config.json` of a Llama, Mistral, Qwen2, Qwen3 or Phi-3 checkpoint (`model_dir` is
+    its directory, or the file itself)."""
     path = Path(model_dir)
     path = path if path.is_file() else path / "config.json"
     cfg = _read_json(path)
     arch = _architecture(cfg)
     if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
         raise UnsupportedModelError(f"unsupported hidden_act {cfg['hidden_act']!r}; needs silu")
-    theta, scaling = _rope(cfg)
     try:
+        theta, scaling, partial = _rope(cfg, arch)
         heads = cfg["num_attention_heads"]
-        max_pos = cfg["max_position_embeddings"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         config = ModelConfig(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -90,8 +144,8 @@ def hf_config(model_dir: str | Path) -> ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            max_position_embeddings=max_pos,
+            head_dim=head_dim,
+            max_position_embeddings=cfg["max_position_embeddings"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
@@ -99,21 +153,12 @@ def hf_config(model_dir: str | Path) -> ModelConfig:
             # Qwen2 always has q/k/v biases and its config does not say so.
             attention_bias=arch == "qwen2" or cfg.get("attention_bias", False),
             qk_norm=arch == "qwen3",
+            # Phi-4-mini rotates 3/4 of each head; transformers rounds the count down.
+            rotary_dim=int(head_dim * partial) if partial != 1 else None,
         )
     except KeyError as e:
         raise ModelLoadError(f"{path} lacks {e.args[0]!r}") from None
-    window = cfg.get("sliding_window")
-    # Qwen configs carry a window they leave switched off unless use_sliding_window is set.
-    active = arch == "mistral" or cfg.get("use_sliding_window", False)
-    if active and window and window < max_pos:
-        config.extra["sliding_window"] = window
-        log.warning(
-            "%s sets sliding_window=%d; tinyllm attends to the full context, so outputs "
-            "differ from the reference past %d tokens",
-            arch,
-            window,
-            window,
-        )
+    _sliding_window(cfg, config)
     return config
 
 

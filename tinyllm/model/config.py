@@ -1,8 +1,30 @@
 """What a model is: one dataclass filled by every loader (GGUF metadata or HF config.json)."""
 
+import logging
 from dataclasses import dataclass, field
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+
+# Families close to Llama that tinyllm refuses, and why: what their layers do that the one model
+# file (model/llama.py) and its attention backends do not. Keyed by Hugging Face's model_type,
+# which is also their GGUF general.architecture.
+REFUSED_ARCHITECTURES = {
+    "phi": "LayerNorms, attention and MLP in parallel, biases and a GELU MLP",
+    "gemma": "embeddings scaled by sqrt(hidden_size), (1 + weight) RMSNorms and a GeGLU MLP",
+    "gemma2": (
+        "soft-capped attention and final logits, sliding-window attention on every other layer, "
+        "extra norms after attention and MLP, (1 + weight) RMSNorms, scaled embeddings and a "
+        "GeGLU MLP"
+    ),
+    "gemma3": (
+        "sliding-window attention on 5 of every 6 layers (with their own RoPE base), extra norms "
+        "after attention and MLP, (1 + weight) RMSNorms, scaled embeddings and a GeGLU MLP"
+    ),
+}
+REFUSED_ARCHITECTURES["gemma3_text"] = REFUSED_ARCHITECTURES["gemma3"]
+REFUSED_ARCHITECTURES["phi2"] = REFUSED_ARCHITECTURES["phi"]  # Phi-2's GGUF architecture
 
 
 class ModelLoadError(ValueError):
@@ -26,20 +48,61 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    # Hugging Face's rope_scaling dict; only {"rope_type": "llama3", ...} changes anything.
+    # Hugging Face's rope_scaling dict, of rope_type llama3, linear or longrope (model.Rope);
+    # longrope's carries its attention_factor, worked out by the loader.
     rope_scaling: dict | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k before RoPE
+    rotary_dim: int | None = None  # RoPE on each head's first rotary_dim dims (None: all of them)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise unsupported_architecture(self.architecture, self.architecture)
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim):
             raise UnsupportedModelError(
-                f"unsupported architecture {self.architecture!r}; "
-                f"tinyllm runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"rotary_dim {self.rotary_dim} must be in 1..head_dim ({self.head_dim})"
             )
+        rotated = self.rotary_dim or self.head_dim
+        if rotated % 2:
+            raise UnsupportedModelError(f"RoPE needs an even number of rotated dims, not {rotated}")
+        scaling = self.rope_scaling or {}
+        longrope = scaling.get("rope_type") == "longrope"
+        for key in ("short_factor", "long_factor") if longrope else ():
+            if len(scaling[key]) != rotated // 2:
+                raise ModelLoadError(
+                    f"longrope {key} has {len(scaling[key])} values; {rotated} rotated dims "
+                    f"need {rotated // 2}"
+                )
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
+
+
+def unsupported_architecture(name: str, model_type: str) -> UnsupportedModelError:
+    """The one-line error for a model tinyllm does not run: `name` as the file calls it (an HF
+    class name or a GGUF architecture), and why, for the families close to Llama."""
+    why = REFUSED_ARCHITECTURES.get(model_type)
+    reason = f": it needs {why}, which tinyllm's Llama-family model lacks" if why else ""
+    return UnsupportedModelError(
+        f"{name} is not supported{reason}; tinyllm runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def serve_within_window(config: ModelConfig, window: int) -> None:
+    """A model whose attention slides over the last `window` tokens (Phi-3-mini-4k: 2047 of
+    4096), served up to `window` tokens, where full attention is the same: tinyllm's attention
+    backends have no sliding window. The engine caps max_model_len at the context set here."""
+    if not 0 < window < config.max_position_embeddings:
+        return
+    log.warning(
+        "%s sets sliding_window=%d, shorter than its context %d; tinyllm has no sliding-window "
+        "attention, so it serves at most %d tokens (max_model_len)",
+        config.architecture,
+        window,
+        config.max_position_embeddings,
+        window,
+    )
+    config.max_position_embeddings = window

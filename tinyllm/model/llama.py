@@ -1,7 +1,8 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) in one readable file.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM) in one readable file.
 
 Every loader produces one state dict format, Hugging Face's names; the model stacks q/k/v and
-gate/up into one matrix product each as it loads them (fuse_projections), as vLLM does.
+gate/up into one matrix product each as it loads them (fuse_projections), as vLLM does; Phi-3's
+checkpoints store them stacked already, under the model's own names.
 The model knows nothing about scheduling or memory: it runs one flat batch of tokens,
 `forward(input_ids, positions, ctx)`, where `ctx` (built once per step by the model runner)
 carries the attention metadata, the attention backend and each layer's K/V cache. Every token
@@ -46,25 +47,45 @@ def _llama3_inv_freq(inv_freq: Tensor, scaling: dict) -> Tensor:
     return torch.where(mid, scaled, out)
 
 
-class Rope:
-    """Rotary embedding tables: cos and sin of each position's angles, (positions, head_dim / 2)
-    in fp32, for layer_ops.rotary."""
+def _longrope_inv_freq(inv_freq: Tensor, scaling: dict, context: int) -> Tensor:
+    """Phi-3's LongRoPE: each frequency divided by its own factor, the long ones where the context
+    served (max_model_len) exceeds the pretrained one. Chosen once, as vLLM and llama.cpp choose,
+    not per sequence as transformers does: keys cached at one choice stay valid for the whole
+    context, and outputs do not depend on what else is in the batch."""
+    long = context > scaling["original_max_position_embeddings"]
+    factors = scaling["long_factor" if long else "short_factor"]
+    return inv_freq / torch.tensor(factors, dtype=torch.float64)
 
-    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu"):
-        d = config.head_dim
+
+class Rope:
+    """Rotary embedding tables: cos and sin of each position's angles, (positions, rotary dims /
+    2) in fp32, for layer_ops.rotary. `context`: the longest sequence served (max_model_len;
+    None: the model's context), which picks LongRoPE's factors."""
+
+    def __init__(
+        self, config: ModelConfig, device: torch.device | str = "cpu", context: int | None = None
+    ):
+        d = config.rotary_dim or config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
         scaling = config.rope_scaling or {}
         kind = scaling.get("rope_type", scaling.get("type"))
+        # LongRoPE scales q and k by a factor each, so attention logits by its square.
+        attention_factor = scaling.get("attention_factor", 1.0)
         if kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif kind == "linear":
             inv_freq = inv_freq / scaling["factor"]
+        elif kind == "longrope":
+            context = context or config.max_position_embeddings
+            inv_freq = _longrope_inv_freq(inv_freq, scaling, context)
         elif kind not in (None, "default"):
-            raise ValueError(f"unsupported rope scaling {kind!r}: tinyllm supports llama3, linear")
+            raise ValueError(
+                f"unsupported rope scaling {kind!r}: tinyllm supports llama3, linear, longrope"
+            )
         n = config.max_position_embeddings
         freqs = torch.outer(torch.arange(n, dtype=torch.float64), inv_freq)
-        self.cos = freqs.cos().float().to(device)
-        self.sin = freqs.sin().float().to(device)
+        self.cos = (freqs.cos() * attention_factor).float().to(device)
+        self.sin = (freqs.sin() * attention_factor).float().to(device)
 
 
 class Attention(nn.Module):
@@ -226,8 +247,9 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.model.norm.weight.device
 
-    def load_weights(self, state_dict: dict[str, Tensor]) -> None:
-        """Load HF-named weights; a missing or unexpected tensor is an error, not a warning."""
+    def load_weights(self, state_dict: dict[str, Tensor], context: int | None = None) -> None:
+        """Load HF-named weights; a missing or unexpected tensor is an error, not a warning.
+        `context`: the longest sequence it will serve (see Rope)."""
         state_dict = fuse_projections(state_dict, self.config.num_layers)
         # A quantized head (model/quant.py) is already loaded, and ties itself.
         tied = self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear)
@@ -243,7 +265,7 @@ class Transformer(nn.Module):
         self.load_state_dict(state_dict, strict=False, assign=True)
         if tied:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rope = Rope(self.config, self.device)
+        self.rope = Rope(self.config, self.device, context)
         for layer in self.model.layers:
             layer.load_native_args()
 
