@@ -1,5 +1,6 @@
 """The `grounded` workload: chat requests over the standard library's text, run to EOS."""
 
+import argparse
 import inspect
 import json
 import random
@@ -11,7 +12,8 @@ import pytest
 
 from tests.test_bench import _tiny_llm
 from tests.test_cli import _tinyllm
-from tinyllm.entrypoints.bench.offline import run_tinyllm
+from tinyllm.entrypoints.bench.args import add_bench_args
+from tinyllm.entrypoints.bench.offline import run_bench, run_tinyllm
 from tinyllm.entrypoints.grounded import (
     DOCSTRINGS,
     FUNCTIONS,
@@ -144,3 +146,17 @@ def test_bench_grounded_runs_one_request_at_a_time_against_transformers(tmp_path
     assert t["output_tokens_per_s"] * t["seconds"] == pytest.approx(res["output_tokens"])
     assert "single stream: tinyllm" in r.stdout
     assert "(at most 1 at once)" in r.stdout.splitlines()[1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["grounded", "--max-concurrency", "0"], "--max-concurrency=0 must be >= 1"),
+        (["multi-turn", "--max-concurrency", "2"], "--max-concurrency runs single-turn workloads"),
+    ],
+)
+def test_bad_concurrency_is_refused_before_loading(argv, message):
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    with pytest.raises(ValueError, match=message):
+        run_bench(parser.parse_args(argv))
