@@ -54,8 +54,8 @@ class NgramProposer:
         n_tokens = len(t)
         if k <= 0 or n_tokens <= self.min_n:
             return []
-        # Candidates: positions j < last that end an earlier occurrence of the suffix, so that
-        # at least one token follows them. Offset d = 0 is the last token itself.
+        # Candidates: the positions before the last that hold the last token, so that at least
+        # one token follows them; each ends an earlier occurrence of the last `matched` tokens.
         ends = np.flatnonzero(t[:-1] == t[-1])
         matched = 1
         while ends.size and matched < self.max_n:
