@@ -25,7 +25,7 @@ from tinyllm.entrypoints.bench.report import (
     summary,
     to_json,
 )
-from tinyllm.entrypoints.workloads import WORKLOADS, make_requests
+from tinyllm.entrypoints.workloads import WORKLOADS, Workload, make_requests
 from tinyllm.model.precision import resolve_dtype
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -35,7 +35,7 @@ PLOT_PIXELS = (round(PLOT_SIZE[1] * PLOT_DPI), round(PLOT_SIZE[0] * PLOT_DPI))  
 AUTO_DTYPE = str(resolve_dtype("auto", torch.device("cpu"))[0]).removeprefix("torch.")
 
 
-@pytest.mark.parametrize("name", sorted(WORKLOADS))
+@pytest.mark.parametrize("name", sorted(n for n, w in WORKLOADS.items() if isinstance(w, Workload)))
 def test_workloads_are_reproducible_and_in_range(name):
     w = WORKLOADS[name]
     a, b = make_requests(name, 49152, seed=3), make_requests(name, 49152, seed=3)
@@ -329,3 +329,16 @@ def test_a_constrained_run_and_its_baseline_make_the_same_tokens(default_config_
     assert 0 < cost.forced < cost.rows and cost.seconds > 0
     base, same = run_tinyllm(default_config_llm, made, "unconstrained")
     assert same == made and base.output_tokens == run.output_tokens and base.grammar is None
+
+
+def test_one_request_at_a_time_is_reported_as_a_single_stream():
+    res = dataclasses.replace(_result(), max_concurrency=1)  # 4 requests, one at a time
+    lines = summary(res).splitlines()
+    assert lines[0].startswith("workload offline-small: 4 requests (at most 1 at once), seed 7")
+    assert lines[-1] == "single stream: tinyllm 20.0 tok/s, 54% of the bandwidth bound"
+    assert to_json(res)["max_concurrency"] == 1
+    batched = dataclasses.replace(_result(), max_concurrency=2)
+    assert "single stream" not in summary(batched) and "(at most 2 at once)" in summary(batched)
+    assert (
+        "single stream" not in summary(_result()) and to_json(_result())["max_concurrency"] is None
+    )

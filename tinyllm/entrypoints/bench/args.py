@@ -57,7 +57,18 @@ def _offline_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument(
-        "--num-requests", type=int, default=None, help="run only the workload's first N requests"
+        "--num-requests",
+        type=int,
+        default=None,
+        help="run only the workload's first N requests (grounded: N requests, default 8)",
+    )
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="at most N requests in flight; the next is sent as one finishes (default: all at "
+        "once; grounded: 1, a single stream). The transformers baseline then runs static "
+        "batches of N",
     )
     p.add_argument(
         "--json", metavar="PATH", type=_output_path, help="also write the results as JSON"

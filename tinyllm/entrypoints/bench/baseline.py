@@ -62,12 +62,16 @@ def _hf_generate(hf: "PreTrainedModel", batch: list[Request]) -> None:
     )
 
 
-def run_transformers(hf: "PreTrainedModel", requests: list[Request]) -> Run:
+def run_transformers(
+    hf: "PreTrainedModel", requests: list[Request], batch_size: int = BASELINE_BATCH
+) -> Run:
+    """Static batches of `batch_size` (one at a time: 1), each request making max_tokens tokens
+    (EOS ignored)."""
     _hf_generate(hf, [Request(requests[0].prompt_token_ids, 2)])
     bar = tqdm(total=len(requests), desc="transformers", unit="req")
     t = time.perf_counter()
-    for i in range(0, len(requests), BASELINE_BATCH):
-        batch = requests[i : i + BASELINE_BATCH]
+    for i in range(0, len(requests), batch_size):
+        batch = requests[i : i + batch_size]
         _hf_generate(hf, batch)
         bar.update(len(batch))
     if hf.device.type == "cuda":

@@ -10,6 +10,7 @@ pool whose threads wait for each other at every op is then many times slower (do
 import argparse
 import copy
 import dataclasses
+import itertools
 import statistics
 import sys
 import time
@@ -24,7 +25,7 @@ from tinyllm.engine.outputs import RequestOutput
 from tinyllm.engine.sampling_params import SamplingParams
 from tinyllm.engine.structured_output import StructuredOutputsParams
 from tinyllm.entrypoints.args import build_llm, engine_options
-from tinyllm.entrypoints.bench.baseline import load_transformers, run_transformers
+from tinyllm.entrypoints.bench.baseline import BASELINE_BATCH, load_transformers, run_transformers
 from tinyllm.entrypoints.bench.machine import measure_machine
 from tinyllm.entrypoints.bench.report import (
     OfflineResult,
@@ -77,9 +78,14 @@ def weight_bytes_per_token(model: Transformer) -> int:
     return total
 
 
-def _greedy(max_tokens: int, constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+def _greedy(
+    max_tokens: int, constraint: StructuredOutputsParams | None = None, ignore_eos: bool = True
+) -> SamplingParams:
     return SamplingParams(
-        max_tokens=max_tokens, temperature=0, ignore_eos=True, structured_outputs=constraint
+        max_tokens=max_tokens,
+        temperature=0,
+        ignore_eos=ignore_eos,
+        structured_outputs=constraint,
     )
 
 
@@ -107,7 +113,7 @@ class EngineRun:
         return self.engine.runner.sampler.grammar.stats
 
     def add(self, request_id: str, request: Request) -> None:
-        params = _greedy(request.max_tokens, self.constraint)
+        params = _greedy(request.max_tokens, self.constraint, request.ignore_eos)
         self.engine.add_request(request.prompt_token_ids, params, request_id)
         self.submitted[request_id] = time.perf_counter()
 
@@ -136,18 +142,30 @@ def run_tinyllm(
     requests: list[Request],
     name: str = "tinyllm",
     constraint: StructuredOutputsParams | None = None,
+    max_concurrency: int | None = None,
 ) -> tuple[Run, list[Request]]:
-    """The run, and the requests as made: under a constraint a request ends where its grammar
-    does, at most at its max_tokens; unconstrained (EOS ignored) it makes them all."""
+    """The run, and the requests as made, each with the number of tokens it made and EOS
+    ignored (what a baseline then runs): under a constraint a request ends where its grammar
+    does, one that stops at EOS where its EOS is, at most at its max_tokens; else it makes
+    them all. At most `max_concurrency` requests in flight (None: all at once); the next is
+    sent as one finishes."""
     bench = EngineRun(llm.engine, requests[0], constraint)
-    t = time.perf_counter()
-    for i, r in enumerate(requests):
-        bench.add(str(i), r)
+    pending = iter(enumerate(requests))
     made = {}
-    bench.run(lambda out: made.__setitem__(out.request_id, len(out.token_ids)))
+
+    def on_finished(out: RequestOutput) -> None:
+        made[out.request_id] = len(out.token_ids)
+        for i, r in itertools.islice(pending, 1):
+            bench.add(str(i), r)
+
+    t = time.perf_counter()
+    for i, r in itertools.islice(pending, max_concurrency):
+        bench.add(str(i), r)
+    bench.run(on_finished)
     seconds = time.perf_counter() - t
     for i, r in enumerate(requests):
-        if made[str(i)] > r.max_tokens or (constraint is None and made[str(i)] != r.max_tokens):
+        exact = constraint is None and r.ignore_eos
+        if made[str(i)] > r.max_tokens or (exact and made[str(i)] != r.max_tokens):
             raise RuntimeError(f"tinyllm made {made[str(i)]} tokens, asked {r.max_tokens}")
     requests = [Request(r.prompt_token_ids, made[str(i)]) for i, r in enumerate(requests)]
     ttft = statistics.fmean(bench.ttft.values())
@@ -244,12 +262,20 @@ def baseline_for(
 
 
 def run_bench(args: argparse.Namespace) -> None:
-    check_workload(args.workload, args.num_requests)  # before a minute of model loading
+    # Before a minute of model loading.
+    check_workload(args.workload, args.num_requests, args.max_concurrency)
     dummy = args.load_format == "dummy"
     baseline = baseline_for(args.workload, args.baseline, args.structured, dummy)
     constraint = None
     if args.structured is not None:
         constraint = StructuredOutputsParams(json=STRUCTURED_SCHEMAS[args.structured])
+    workload = WORKLOADS[args.workload]
+    turns = workload.turns
+    if turns > 1 and args.max_concurrency is not None:
+        raise ValueError(
+            f"--max-concurrency runs single-turn workloads, not {args.workload}'s chats"
+        )
+    max_concurrency = args.max_concurrency or workload.max_concurrency
     _phase(f"loading tinyllm ({args.model or 'the default model'})")
     llm = build_llm(args)
     model = llm.engine.model
@@ -258,8 +284,9 @@ def run_bench(args: argparse.Namespace) -> None:
     if baseline == "transformers":
         _phase("loading the transformers baseline (same weights, fp32)")
         hf = load_transformers(args.model, device)
-    requests = make_requests(args.workload, model.config.vocab_size, args.seed, args.num_requests)
-    turns = WORKLOADS[args.workload].turns
+    requests = make_requests(
+        args.workload, model.config.vocab_size, args.seed, args.num_requests, llm.tokenizer
+    )
     conversations = [requests[i : i + turns] for i in range(0, len(requests), turns)]
     _phase(f"measuring the machine: fp32 GEMM rate and copy bandwidth ({device.type})")
     machine = measure_machine(device)
@@ -269,21 +296,29 @@ def run_bench(args: argparse.Namespace) -> None:
     ) -> tuple[Run, list[Request]]:
         """The run, and its requests as made (a chat replay's turns with their histories)."""
         if turns == 1:
-            return run_tinyllm(llm, requests, name, constraint)
+            return run_tinyllm(llm, requests, name, constraint, max_concurrency)
         return run_chat_replay(llm, conversations, name)
 
     what = f"{len(conversations)} conversations" if turns > 1 else f"{len(requests)} requests"
+    if turns == 1 and max_concurrency is not None:
+        what += f", at most {max_concurrency} at once"
     under = f", every output JSON under a schema ({args.structured})" if constraint else ""
     _phase(f"running tinyllm: {args.workload}, {what}{under}, {threads(machine.threads)}")
     first, sent = run(llm, f"tinyllm {args.structured}" if constraint else "tinyllm", constraint)
     runs = [first]
+    if turns == 1:
+        # The baselines do the same work: the same prompts, each making as many tokens as it
+        # made in the first run (where it ended at EOS or its JSON did), with EOS ignored. Greedy
+        # output does not depend on the engine's settings (speculation on or off makes the same
+        # tokens), so a tinyllm baseline makes the very same tokens; transformers' fp32 weights
+        # may choose others, but as many.
+        requests = sent
     if baseline == "unconstrained":
         _phase(f"running the baseline: tinyllm unconstrained, {threads(machine.threads)}")
-        requests = sent  # the same prompts, each making the tokens it made constrained
         runs.append(run(fresh_engine(llm), "unconstrained")[0])
     elif hf is not None:
         _phase(f"running the baseline: transformers, {threads(machine.threads)}")
-        runs.append(run_transformers(hf, requests))
+        runs.append(run_transformers(hf, requests, max_concurrency or BASELINE_BATCH))
     elif baseline == "no-prefix-caching":
         _phase(f"running the baseline: tinyllm without prefix caching, {threads(machine.threads)}")
         runs.append(run(without_prefix_caching(llm), "no-prefix-caching")[0])
@@ -296,6 +331,7 @@ def run_bench(args: argparse.Namespace) -> None:
         weights=describe_weights(model),
         machine=machine,
         engine_args=engine_options(args),
+        max_concurrency=max_concurrency if turns == 1 else None,
     )
     print("\n" + summary(result))
     if args.json:

@@ -60,6 +60,12 @@ class OfflineResult:
     weights: str  # how tinyllm's weights ran: "int4 weights, bfloat16 activations"
     machine: Machine
     engine_args: dict[str, object]
+    max_concurrency: int | None = None  # requests in flight at once (None: all)
+
+    @property
+    def single_stream(self) -> bool:
+        """One request at a time: each output token is a decode step of one row."""
+        return self.runs[0].requests == 1 or self.max_concurrency == 1
 
     @property
     def bandwidth_bound(self) -> float:
@@ -91,8 +97,9 @@ def _maybe(value: float | None, scale: float, fmt: str) -> str:
 
 def summary(res: OfflineResult) -> str:
     m, first = res.machine, res.runs[0]
+    at_once = "" if res.max_concurrency is None else f" (at most {res.max_concurrency} at once)"
     lines = [
-        f"workload {res.workload}: {first.requests} requests, seed {res.seed}, "
+        f"workload {res.workload}: {first.requests} requests{at_once}, seed {res.seed}, "
         f"{first.prompt_tokens} prompt + {first.output_tokens} output tokens, "
         f"{res.flops / 1e12:.2f} TFLOP",
         f"machine: {m.device} ({m.cpu_capability}), {threads(m.threads)}, "
@@ -120,7 +127,7 @@ def summary(res: OfflineResult) -> str:
     for r in res.runs:
         if r.grammar is not None:
             lines.append(_grammar_line(r))
-    if first.requests == 1:  # one stream: each output token is a decode step
+    if res.single_stream:
         lines.append(
             f"single stream: tinyllm {first.output_rate:.1f} tok/s, "
             f"{first.output_rate / res.bandwidth_bound:.0%} of the bandwidth bound"
@@ -177,6 +184,7 @@ def to_json(res: OfflineResult) -> dict:
         "workload": res.workload,
         "seed": res.seed,
         "requests": first.requests,
+        "max_concurrency": res.max_concurrency,
         "prompt_tokens": first.prompt_tokens,
         "output_tokens": first.output_tokens,
         "workload_tflop": res.flops / 1e12,
