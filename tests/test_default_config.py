@@ -11,32 +11,14 @@ import pytest
 import torch
 
 from tests.conftest import FORMATS
+from tests.engine_runs import engine_on, run_all
 from tests.greedy import assert_greedy_close, top_dicts
-from tinyllm.engine.config import EngineConfig
-from tinyllm.engine.engine import LLMEngine
 from tinyllm.engine.outputs import RequestOutput
 from tinyllm.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
-
-
-def _engine(llm, **kw) -> LLMEngine:
-    kw.setdefault("num_blocks", 256)
-    kw.setdefault("max_model_len", 2048)
-    return LLMEngine(llm.engine.model, llm.tokenizer, EngineConfig(**kw))
-
-
-def _run(engine: LLMEngine, prompts: list[list[int]], params) -> list[RequestOutput]:
-    params = params if isinstance(params, list) else [params] * len(prompts)
-    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(None, sp, request_id=str(i), prompt_token_ids=p)
-    done = {}
-    while engine.has_unfinished():
-        done |= {int(o.request_id): o for o in engine.step() if o.finished}
-    assert engine.kv.pool.num_used == 0
-    return [done[i] for i in range(len(prompts))]
 
 
 def _random_prompts(n: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
@@ -61,8 +43,8 @@ def test_a_prompt_longer_than_the_budget_runs_in_every_format(llm_by_format, fmt
     to sample (this once killed the int4 and int8 formats with SIGFPE)."""
     llm = llm_by_format(fmt)
     prompt = _random_prompts(1, [513])
-    chunked = _run(_engine(llm), prompt, GREEDY)[0]
-    whole = _run(_engine(llm, max_num_batched_tokens=1024), prompt, GREEDY)[0]
+    chunked = run_all(engine_on(llm), prompt, GREEDY)[0]
+    whole = run_all(engine_on(llm, max_num_batched_tokens=1024), prompt, GREEDY)[0]
     assert chunked.finish_reason == "length" and len(chunked.token_ids) == 6
     # int8 runs bf16 activations: on random ids its logits tie often, so vLLM's bf16 rule.
     _assert_close(whole, chunked, f"{fmt} chunked at 512", None if fmt == "int8" else 0.05)
@@ -74,9 +56,9 @@ def test_tiny_budgets_give_the_same_bits(default_config_llm, budget):
     """Prompts chunked a token or two at a time, decodes sharing the budget with them: every
     request's tokens and logprobs equal, bit for bit, those of a budget that never chunks."""
     prompts = _random_prompts(3, [5, 23, 40], seed=budget)
-    ref = _run(_engine(default_config_llm), prompts, GREEDY)
-    engine = _engine(default_config_llm, max_num_batched_tokens=budget)
-    out = _run(engine, prompts, GREEDY)
+    ref = run_all(engine_on(default_config_llm), prompts, GREEDY)
+    engine = engine_on(default_config_llm, max_num_batched_tokens=budget)
+    out = run_all(engine, prompts, GREEDY)
     for r, o in zip(ref, out, strict=True):
         assert o.token_ids == r.token_ids
         assert o.outputs[0].logprobs == r.outputs[0].logprobs
@@ -90,11 +72,11 @@ def test_preemption_on_the_default_config_recomputes_the_same_bits(default_confi
     block comes back."""
     prompts = _random_prompts(6, [40], seed=3)
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, logprobs=2)
-    alone = [_run(_engine(default_config_llm), [p], params)[0] for p in prompts]
-    engine = _engine(
+    alone = [run_all(engine_on(default_config_llm), [p], params)[0] for p in prompts]
+    engine = engine_on(
         default_config_llm, num_blocks=12, max_num_seqs=8, max_num_batched_tokens=budget
     )
-    out = _run(engine, prompts, params)
+    out = run_all(engine, prompts, params)
     assert engine.stats().num_preemptions > 0 and engine.kv.pool.peak_used == 12
     for a, o in zip(alone, out, strict=True):
         assert o.token_ids == a.token_ids
@@ -106,11 +88,11 @@ def test_a_prompt_at_the_edge_of_max_model_len(llm_by_format, default_config_llm
     close to the fp32 reference; one token more is refused before it runs."""
     prompt = _random_prompts(1, [2040], seed=5)
     params = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True, logprobs=5)
-    out = _run(_engine(default_config_llm), prompt, params)[0]
+    out = run_all(engine_on(default_config_llm), prompt, params)[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 8
-    ref = _run(_engine(llm_by_format("fp32")), prompt, params)[0]
+    ref = run_all(engine_on(llm_by_format("fp32")), prompt, params)[0]
     _assert_close(ref, out, "int4 at 2040 tokens", near_tie=None)
-    engine = _engine(default_config_llm)
+    engine = engine_on(default_config_llm)
     with pytest.raises(ValueError, match="prompt is 2048 tokens, but this model's context is 2048"):
         engine.add_request(None, params, prompt_token_ids=prompt[0] + [7] * 8)
     assert not engine.has_unfinished()
@@ -126,8 +108,8 @@ def test_greedy_close_to_the_fp32_reference(llm_by_format, fmt):
     chats = [tok.encode_chat([{"role": "user", "content": q}])[1] for q in questions]
     prompts = chats + _random_prompts(2, [300], seed=9)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=5)
-    ref = _run(_engine(llm_by_format("fp32")), prompts, params)
-    out = _run(_engine(llm_by_format(fmt), max_num_batched_tokens=64), prompts, params)
+    ref = run_all(engine_on(llm_by_format("fp32")), prompts, params)
+    out = run_all(engine_on(llm_by_format(fmt), max_num_batched_tokens=64), prompts, params)
     for i, (r, o) in enumerate(zip(ref, out, strict=True)):
         _assert_close(r, o, f"{fmt} request {i}", near_tie=None)
 
@@ -147,11 +129,11 @@ def test_a_requests_bits_do_not_depend_on_batch_budget_or_threads(default_config
         for n_threads in (1, 2):
             torch.set_num_threads(n_threads)
             for budget in (512, 48, 7):
-                alone = _run(
-                    _engine(default_config_llm, max_num_batched_tokens=budget), [prompt], params
+                alone = run_all(
+                    engine_on(default_config_llm, max_num_batched_tokens=budget), [prompt], params
                 )
-                batch = _run(
-                    _engine(default_config_llm, max_num_batched_tokens=budget),
+                batch = run_all(
+                    engine_on(default_config_llm, max_num_batched_tokens=budget),
                     others[:16] + [prompt] + others[16:],
                     other_params[:16] + [params] + other_params[16:],
                 )

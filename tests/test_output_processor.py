@@ -31,7 +31,7 @@ def _feed(tok, tokens: str | list[str], **kw):
     for i, t in enumerate(tokens):
         token = LETTERS.index(t)
         logprob = TokenLogprob(token, -i) if kw.get("logprobs") is not None else None
-        outs, stopped = proc.process([TokenUpdate("r", token, logprob, None)])
+        outs, stopped = proc.process([TokenUpdate("r", [token], [logprob], None)])
         outputs += outs
         if stopped:
             stopped_at = i
@@ -47,6 +47,25 @@ def test_stop_string_is_held_back_then_cut(tok):
     assert stopped_at == 7 and final.finished
     assert final.finish_reason == "stop" and final.outputs[0].stop_reason == "STOP"
     assert final.text == "aSTb" and _letters(final.token_ids) == "aSTb"
+
+
+def test_several_tokens_in_one_update_end_where_one_at_a_time_do(tok):
+    """Speculative decoding hands over a run of accepted tokens at once: a stop string inside
+    the run ends the output exactly where feeding them one by one would, the rest dropped."""
+    text, kw = "abSTOPba", dict(stop=["STOP"], logprobs=0)
+    one_by_one, _ = _feed(tok, text, **kw)
+    proc = OutputProcessor(tok)
+    proc.add_request("r", None, [1, 7], SamplingParams(**kw))
+    tokens = [LETTERS.index(t) for t in text]
+    logprobs = [TokenLogprob(t, -i) for i, t in enumerate(tokens)]
+    outs, stopped = proc.process([TokenUpdate("r", tokens[:3], logprobs[:3], None)])
+    outs2, stopped2 = proc.process([TokenUpdate("r", tokens[3:], logprobs[3:], None)])
+    assert not stopped and stopped2 == ["r"]
+    final, expected = outs2[-1], one_by_one[-1]
+    assert final.finished and final.finish_reason == "stop"
+    assert final.text == expected.text == "ab"
+    assert final.token_ids == expected.token_ids
+    assert final.outputs[0].logprobs == expected.outputs[0].logprobs
 
 
 def test_delta_outputs_add_up_to_the_cumulative_ones(tok):

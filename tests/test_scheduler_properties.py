@@ -3,6 +3,8 @@
 A tiny random model keeps each example fast; what is checked is accounting, not text: no block
 owned twice, none leaked, every request ends, and everything is given back."""
 
+import random
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -45,10 +47,12 @@ request = st.tuples(
     max_num_seqs=st.integers(1, 4),
     budget=st.integers(1, 64),
     temperature=st.sampled_from([0.0, 1.0]),
+    speculate=st.one_of(st.none(), st.integers(0, 2**16)),
 )
 def test_random_workload_accounts_for_everything(
-    tiny, requests, kv_cache, num_blocks, block_size, max_num_seqs, budget, temperature
+    tiny, requests, kv_cache, num_blocks, block_size, max_num_seqs, budget, temperature, speculate
 ):
+    """`speculate`: random draft tokens, of which a random number is accepted (the seed)."""
     model, tok = tiny
     engine = LLMEngine(
         model,
@@ -61,8 +65,11 @@ def test_random_workload_accounts_for_everything(
             max_num_batched_tokens=budget,
             kv_cache_memory=MAX_LEN * 64 * max_num_seqs,
             seed=1,
+            speculative_config=None if speculate is None else {"max_batch": 4},
         ),
     )
+    if speculate is not None:
+        _random_speculation(engine, random.Random(speculate))
     finished: dict[str, object] = {}
     for step in range(400):
         for i, (n, max_tokens, arrive, _, ignore_eos) in enumerate(requests):
@@ -104,6 +111,28 @@ def test_random_workload_accounts_for_everything(
             assert out.token_ids[-1] == 1 and not ignore_eos
         else:
             assert out.finish_reason == "abort"
+
+
+def _random_speculation(engine: LLMEngine, rng: random.Random) -> None:
+    """Drafts of random tokens and lengths (up to what fits), of which the sampler keeps a
+    random number, then adds a random token: every acceptance length the engine must roll back."""
+
+    def propose(token_ids, max_tokens=None):
+        return [rng.randrange(VOCAB) for _ in range(rng.randint(0, min(5, max_tokens)))]
+
+    sampler = engine.runner.sampler
+    verify = sampler.verify
+
+    def accept_some(logits, requests, drafts):
+        tokens, logprobs = verify(logits, requests, drafts)
+        for r, draft in enumerate(drafts):
+            if draft:
+                tokens[r] = draft[: rng.randint(0, len(draft))] + [rng.randrange(VOCAB)]
+                logprobs[r] = [None] * len(tokens[r])
+        return tokens, logprobs
+
+    engine.speculator.proposer.propose = propose
+    sampler.verify = accept_some
 
 
 @pytest.mark.parametrize(

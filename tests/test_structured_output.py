@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import torch
 
-from tinyllm.engine.config import EngineConfig
+from tests.engine_runs import engine_on, run_all
 from tinyllm.engine.engine import LLMEngine
 from tinyllm.engine.grammar import GrammarMasks, StructuredOutputCompiler
 from tinyllm.engine.outputs import RequestOutput
@@ -112,19 +112,7 @@ FREE = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
 
 
 def _engine(llm, **kw) -> LLMEngine:
-    kw.setdefault("num_blocks", 512)
-    kw.setdefault("max_model_len", 1024)
-    return LLMEngine(llm.engine.model, llm.tokenizer, EngineConfig(**kw))
-
-
-def _run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]):
-    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(None, sp, request_id=str(i), prompt_token_ids=p)
-    done: dict[int, RequestOutput] = {}
-    while engine.has_unfinished():
-        done |= {int(o.request_id): o for o in engine.step() if o.finished}
-    assert engine.kv.pool.num_used == 0
-    return [done[i] for i in range(len(prompts))]
+    return engine_on(llm, **{"num_blocks": 512, "max_model_len": 1024} | kw)
 
 
 def _chat(llm, text: str) -> list[int]:
@@ -157,11 +145,11 @@ def test_every_schema_validates_greedy_and_sampled_beside_free_rows(default_conf
         prompts += [prompt, prompt]
         params += [_json(schema, temperature=0), _json(schema, temperature=0.8, seed=i)]
     free = [_chat(llm, "Tell me a story."), _chat(llm, "What is 2 + 2?")]
-    outs = _run(_engine(llm), prompts + free, params + [FREE, FREE])
+    outs = run_all(_engine(llm), prompts + free, params + [FREE, FREE])
     for i, (what, schema) in enumerate(SCHEMAS):
         _assert_valid(outs[2 * i], schema, f"{what}, greedy")
         _assert_valid(outs[2 * i + 1], schema, f"{what}, sampled")
-    alone = _run(_engine(llm), free, [FREE, FREE])
+    alone = run_all(_engine(llm), free, [FREE, FREE])
     for a, o in zip(alone, outs[-2:], strict=True):
         assert o.token_ids == a.token_ids
         assert o.outputs[0].logprobs == a.outputs[0].logprobs
@@ -175,9 +163,9 @@ def test_chunked_and_preempted_requests_keep_their_grammar(default_config_llm):
     cases = [SCHEMAS[i] for i in (1, 18, 26)]
     prompts = [_chat(llm, f"Answer in JSON: {what}.") for what, _ in cases]
     params = [_json(schema, temperature=0) for _, schema in cases]
-    roomy = _run(_engine(llm), prompts, params)
+    roomy = run_all(_engine(llm), prompts, params)
     tight = _engine(llm, num_blocks=10, max_num_seqs=4, max_num_batched_tokens=16)
-    outs = _run(tight, prompts, params)
+    outs = run_all(tight, prompts, params)
     assert tight.stats().num_preemptions > 0
     for (what, schema), r, o in zip(cases, roomy, outs, strict=True):
         _assert_valid(o, schema, what)
@@ -209,7 +197,7 @@ def test_regex_choice_json_object_and_a_fixed_grammar(default_config_llm):
         SamplingParams(max_tokens=100, temperature=0, structured_outputs=any_object),
         _json(json.dumps(age), temperature=0),
     ]
-    outs = _run(_engine(llm), prompts, params)
+    outs = run_all(_engine(llm), prompts, params)
     assert len(outs[0].outputs) == 3
     for c in outs[0].outputs:
         assert re.fullmatch(date, c.text) and c.finish_reason == "stop", c.text
@@ -234,7 +222,7 @@ def test_a_schema_that_does_not_close_its_objects_gets_no_invented_keys(default_
         "required": ["city", "population"],
     }
     prompt = _chat(llm, "Give the largest city of Japan as JSON.")
-    out = _run(_engine(llm), [prompt], [_json(city, temperature=0)])[0].outputs[0]
+    out = run_all(_engine(llm), [prompt], [_json(city, temperature=0)])[0].outputs[0]
     assert out.finish_reason == "stop" and set(json.loads(out.text)) == {"city", "population"}
 
 

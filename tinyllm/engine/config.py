@@ -1,6 +1,60 @@
-"""The engine's knobs, in one dataclass."""
+"""The engine's knobs: EngineConfig, and speculative decoding's own."""
 
+import dataclasses
+import json
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/speculative.py), with vLLM's `speculative_config` names;
+    method "ngram" (prompt lookup) is the one there is."""
+
+    num_speculative_tokens: int = 5
+    method: str = "ngram"
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    # Above this many decoding requests in a step nothing is drafted: the weights are already
+    # shared by enough rows (engine/speculative.py).
+    max_batch: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative_config method={self.method!r}: tinyllm has 'ngram'")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "max_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config {name}={value!r} must be an integer >= 1")
+        if not isinstance(self.prompt_lookup_max, int) or (
+            self.prompt_lookup_max < self.prompt_lookup_min
+        ):
+            raise ValueError(
+                f"speculative_config prompt_lookup_max={self.prompt_lookup_max!r} must be an "
+                f"integer >= prompt_lookup_min ({self.prompt_lookup_min})"
+            )
+
+    @classmethod
+    def parse(cls, value: "dict | str | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """From LLM's dict, the CLI's JSON text, or as is; an unknown key is an error."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(
+                "speculative_config must be a dict such as "
+                '{"method": "ngram", "num_speculative_tokens": 5}'
+            )
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}"
+            )
+        return cls(**value)
 
 
 @dataclass
@@ -19,8 +73,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # see tinyllm.model.attention.BACKENDS
     seed: int = 0
+    # Speculative decoding (engine/speculative.py): vLLM's dict, e.g. {"method": "ngram",
+    # "num_speculative_tokens": 5}, its JSON text, or a SpeculativeConfig; None: off.
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.kv_cache not in ("paged", "slot"):
             raise ValueError(f"kv_cache={self.kv_cache!r}: choose 'paged' or 'slot'")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):

@@ -6,6 +6,7 @@ runner runs them as one flat batch and samples for the requests whose tokens are
 the output processor turns the new tokens into text and outputs.
 """
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -24,6 +25,7 @@ from tinyllm.engine.parent_request import ParentRequest, child_params
 from tinyllm.engine.request import Request, RequestStatus
 from tinyllm.engine.sampling_params import SamplingParams
 from tinyllm.engine.scheduler import Scheduler
+from tinyllm.engine.speculative import SpecStats, Speculator
 from tinyllm.engine.validation import check_token_ids
 from tinyllm.model.attention import get_backend
 from tinyllm.model.llama import Transformer
@@ -46,6 +48,7 @@ class EngineStats:
     generation_tokens: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache at admission
     prefix_cache_hits: int  # of those, tokens found cached (not computed)
+    spec_decode: SpecStats  # drafts verified and tokens accepted (zero without speculation)
 
 
 def build_kv_cache_manager(model: Transformer, cfg: EngineConfig, max_len: int) -> KVCacheManager:
@@ -131,6 +134,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.output_processor = OutputProcessor(tokenizer)
         self.grammars = StructuredOutputCompiler(tokenizer, model.config.vocab_size)
+        spec = config.speculative_config
+        self.speculator = None if spec is None else Speculator(spec, self.max_model_len)
         self.requests: dict[str, Request] = {}
         # n > 1: the parent by its id and by each child's
         self.parents: dict[str, ParentRequest] = {}
@@ -233,7 +238,7 @@ class LLMEngine:
         for child in ids:
             request = self.requests.get(child)
             if request is not None:
-                outputs += self._finish(request, TokenUpdate(child, None, None, "abort"))
+                outputs += self._finish(request, TokenUpdate(child, [], [], "abort"))
         outputs = self._gather(outputs)
         return outputs[0] if outputs else None
 
@@ -254,6 +259,9 @@ class LLMEngine:
             generation_tokens=self.generation_tokens,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
+            spec_decode=dataclasses.replace(self.speculator.stats)
+            if self.speculator
+            else SpecStats(),
         )
 
     def reset_prefix_cache(self) -> int:
@@ -263,6 +271,8 @@ class LLMEngine:
     # -- one step -------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         outputs = []
         for request in out.rejected:
@@ -270,7 +280,7 @@ class LLMEngine:
                 f"request needs {request.num_tokens + 1} tokens of KV cache but the whole cache "
                 f"holds {self.kv.capacity_tokens} (max_model_len {self.max_model_len})"
             )
-            update = TokenUpdate(request.request_id, None, None, "error", error=error)
+            update = TokenUpdate(request.request_id, [], [], "error", error=error)
             outputs += self._finish(request, update)
         if out.scheduled:
             outputs += self._run(out.scheduled)
@@ -287,30 +297,44 @@ class LLMEngine:
                 log.exception("request %s failed in a step", request.request_id)
                 error = "the engine failed on this request (see the server log)"
                 return self._finish(
-                    request, TokenUpdate(request.request_id, None, None, "error", error=error)
+                    request, TokenUpdate(request.request_id, [], [], "error", error=error)
                 )
             return [o for one in scheduled for o in self._run([one])]
+        # Draft tokens the model rejected are rolled back: their K/V stays in the blocks, to
+        # be overwritten by the tokens that really come there.
+        rejected = {req: len(req.spec_token_ids) + 1 - len(tokens) for req, tokens, _ in sampled}
         for request, n in scheduled:
+            n -= rejected.get(request, 0)
             self._count(request, n)
             request.num_computed_tokens += n
         updates, done = [], []
-        for request, token, logprob in sampled:
-            request.append_token(token, self.max_model_len)
+        for request, tokens, logprobs in sampled:
+            if request.spec_token_ids:
+                if self.speculator is not None:
+                    self.speculator.record(request, len(request.spec_token_ids), len(tokens) - 1)
+                request.spec_token_ids = []
+            # A stop token or the length limit inside an accepted run ends it there.
+            kept = 0
+            while kept < len(tokens) and request.finish_reason is None:
+                request.append_token(tokens[kept], self.max_model_len)
+                kept += 1
             reason = request.finish_reason
             update = TokenUpdate(
                 request.request_id,
-                token,
-                logprob,
+                tokens[:kept],
+                logprobs[:kept],
                 reason,
                 request.stop_reason,
                 num_cached_tokens=request.num_cached_tokens,
                 # Complete once the prompt is: with its first sampled token.
-                prompt_logprobs=request.prompt_logprobs if request.num_output_tokens == 1 else None,
+                prompt_logprobs=request.prompt_logprobs
+                if request.num_output_tokens == kept
+                else None,
             )
             updates.append(update)
+            self.generation_tokens += kept
             if reason is not None:
                 done.append(request)
-        self.generation_tokens += len(sampled)
         step_outputs, stopped = self.output_processor.process(updates)
         for request in done:
             self._release(request)

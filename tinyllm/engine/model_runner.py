@@ -34,7 +34,9 @@ class StepBatch:
     positions: Tensor  # (N,)
     ctx: ForwardContext
     sampling: list[Request]  # the rows whose tokens are all computed after this step
-    logits_indices: Tensor  # their last token's index in the batch
+    drafts: list[list[int]]  # their draft tokens run this step (speculative decoding)
+    # Their last token's index in the batch, and each draft token's after it.
+    logits_indices: Tensor
     # Prompt logprobs to compute: (request, batch index of a position, the prompt token after it)
     prompt_targets: list[tuple[Request, int, int]]
 
@@ -64,25 +66,20 @@ class ModelRunner:
 
     def execute(
         self, scheduled: list[tuple[Request, int]]
-    ) -> list[tuple[Request, int, TokenLogprob | None]]:
-        """Run each request's next `n` tokens; returns (request, token, logprob) for those whose
-        tokens are now all computed (a finished prompt or a decode), which sample one more.
-        `num_computed_tokens` is left for the caller to advance."""
-        sampling, logits = self.compute_logits(scheduled)
-        if not sampling:
-            return []
-        tokens, logprobs = self.sampler(logits, sampling)
-        return list(zip(sampling, tokens, logprobs, strict=True))
-
-    def compute_logits(self, scheduled: list[tuple[Request, int]]) -> tuple[list[Request], Tensor]:
-        """One forward pass; the requests that sample and their last position's logits."""
+    ) -> list[tuple[Request, list[int], list[TokenLogprob | None]]]:
+        """Run each request's next `n` tokens (its draft tokens last); returns (request, tokens,
+        logprobs) for those whose tokens are now all computed (a finished prompt or a decode):
+        the drafts the model accepted, then one token of its own. Advancing
+        `num_computed_tokens` (past the accepted drafts only) is left to the caller."""
         batch = self.prepare_inputs(scheduled)
         hidden = self.model(batch.input_ids, batch.positions, batch.ctx)
         if batch.prompt_targets:
             self._prompt_logprobs(hidden, batch.prompt_targets)
         if not batch.sampling:  # only prompt chunks ran: no row to sample, no LM head to run
-            return [], hidden.new_empty(0, self.model.config.vocab_size)
-        return batch.sampling, self.model.logits(hidden[batch.logits_indices])
+            return []
+        logits = self.model.logits(hidden[batch.logits_indices])
+        tokens, logprobs = self.sampler.verify(logits, batch.sampling, batch.drafts)
+        return list(zip(batch.sampling, tokens, logprobs, strict=True))
 
     def _prompt_logprobs(self, hidden: Tensor, targets: list[tuple[Request, int, int]]) -> None:
         """Append each target's logprob to its request's `prompt_logprobs`, in position order.
@@ -101,26 +98,28 @@ class ModelRunner:
         rows = sorted(scheduled, key=lambda rn: rn[1] != 1)  # decodes first, order kept
         bs = self.block_size
         ids, positions, slots, tables, seq_lens, query_lens = [], [], [], [], [], []
-        sampling, last, prompt_targets = [], [], []
+        sampling, drafts, last, prompt_targets = [], [], [], []
         for req, n in rows:
             start = req.num_computed_tokens
             end = start + n
+            draft = req.spec_token_ids[: max(end - req.num_tokens, 0)]
             if req.prompt_logprobs is not None:
                 # Position p's logits give prompt token p + 1's logprob; those a recompute
                 # after preemption already has are not computed again.
                 first = max(start, len(req.prompt_logprobs) - 1)
                 for p in range(first, min(end, req.num_prompt_tokens - 1)):
                     prompt_targets.append((req, len(ids) + p - start, req.all_token_ids[p + 1]))
-            ids += req.all_token_ids[start:end]
+            ids += req.all_token_ids[start:end] + draft
             positions += range(start, end)
             blocks = req.block_ids
             slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
             tables.append(blocks)
             seq_lens.append(end)
             query_lens.append(n)
-            if end == req.num_tokens:
+            if end >= req.num_tokens:
                 sampling.append(req)
-                last.append(len(ids) - 1)
+                drafts.append(draft)
+                last += range(len(ids) - 1 - len(draft), len(ids))
         width = max(len(t) for t in tables)
         padded = [t + [self.scratch] * (width - len(t)) for t in tables]
         meta = AttentionMetadata(
@@ -138,6 +137,7 @@ class ModelRunner:
             positions=self._tensor(positions),
             ctx=ForwardContext(meta, self.backend, self.kv_caches),
             sampling=sampling,
+            drafts=drafts,
             logits_indices=self._tensor(last),
             prompt_targets=prompt_targets,
         )

@@ -23,8 +23,10 @@ class TokenUpdate:
     """What the engine core reports for one request after a step."""
 
     request_id: str
-    token: int | None  # None: no new token (finished without one: aborted or refused)
-    logprob: TokenLogprob | None
+    # The step's new tokens: one, several (draft tokens accepted by speculative decoding), or
+    # none (finished without one: aborted or refused)
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
     finish_reason: str | None
     stop_reason: str | int | None = None
     error: str | None = None
@@ -163,8 +165,8 @@ class OutputProcessor:
                 state.num_cached_tokens = u.num_cached_tokens
             if u.prompt_logprobs is not None:
                 state.prompt_logprobs = u.prompt_logprobs
-            if u.token is not None and state.add(u.token, u.logprob):
-                stopped.append(u.request_id)
+            if any(state.add(t, lp) for t, lp in zip(u.token_ids, u.logprobs, strict=True)):
+                stopped.append(u.request_id)  # any() stops at the token that ended it
             elif u.finish_reason is not None:
                 state.finish(u.finish_reason, u.stop_reason, u.error)
             if state.finished:

@@ -41,25 +41,64 @@ class Sampler:
     def __call__(
         self, logits: Tensor, requests: Sequence[SamplerRequest]
     ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """logits (R, V) float32, one row per request -> chosen tokens and their logprobs.
+        """logits (R, V) float32, one row per request -> chosen tokens and their logprobs."""
+        tokens, logprobs = self.verify(logits, requests, [[] for _ in requests])
+        return [t for (t,) in tokens], [lp for (lp,) in logprobs]
+
+    def verify(
+        self, logits: Tensor, requests: Sequence[SamplerRequest], drafts: Sequence[list[int]]
+    ) -> tuple[list[list[int]], list[list[TokenLogprob | None]]]:
+        """Each request's tokens for this step: the draft tokens the model accepts (speculative
+        decoding), then one token of the model's own. logits (R, V) float32 hold, per request,
+        its last token's row, then one row per draft token: the model's prediction after it.
+
+        Greedy: drafts are accepted while they are the model's argmax, so the tokens are those
+        decoding one at a time would give. Sampled: the speculative sampling rule for a draft
+        that is a point mass: draft t is accepted with probability p(t) (p after temperature
+        and the filters), else one token is drawn from p without t, and when all are accepted
+        one more from the last row's p; each request's own generator draws, so a seed fixes
+        the output. A request without drafts samples its one row as it always has.
 
         A constrained row (structured output) can only choose what its grammar allows: its mask
         comes first, before penalties, temperature and the filters, and its matcher then
-        advances with the token. Logprobs are those of the model's own distribution (before
+        advances with the token. Constrained and penalized requests have no drafts
+        (engine/speculative.py). Logprobs are those of the model's own distribution (before
         masks, penalties and temperature), as vLLM and OpenAI report them."""
-        constrained = [r for r, req in enumerate(requests) if req.matcher is not None]
-        matchers = [requests[r].matcher for r in constrained]
+        first = _cumsum_from_zero([len(d) + 1 for d in drafts])
+        owners = [req for req, d in zip(requests, drafts, strict=True) for _ in range(len(d) + 1)]
+        constrained = [i for i, req in enumerate(owners) if req.matcher is not None]
+        matchers = [owners[i].matcher for i in constrained]
         allowed = self.grammar.apply(logits, constrained, matchers) if constrained else logits
-        penalized = apply_penalties(allowed, requests)
-        tokens = penalized.argmax(-1)
-        sampled = [r for r, req in enumerate(requests) if not req.params.greedy]
-        if sampled:
-            rows = torch.tensor(sampled, device=logits.device)
-            tokens[rows] = _draw(penalized[rows], [requests[r] for r in sampled])
-        chosen = tokens.tolist()
-        if constrained:
-            self.grammar.advance(matchers, [chosen[r] for r in constrained])
-        return chosen, _logprobs(logits, tokens, requests)
+        penalized = apply_penalties(allowed, owners)
+        targets = penalized.argmax(-1)
+        plain = [r for r, req in enumerate(requests) if not req.params.greedy and not drafts[r]]
+        if plain:
+            rows = torch.tensor([first[r] for r in plain], device=logits.device)
+            targets[rows] = _draw(penalized[rows], [requests[r] for r in plain])
+        best = targets.tolist()
+        chosen = []
+        for r, (req, draft) in enumerate(zip(requests, drafts, strict=True)):
+            at = first[r]
+            if not draft:
+                chosen.append([best[at]])
+            elif req.params.greedy:
+                n = 0
+                while n < len(draft) and draft[n] == best[at + n]:
+                    n += 1
+                chosen.append([*draft[:n], best[at + n]])
+            else:
+                chosen.append(_accept_or_resample(penalized[at : at + len(draft) + 1], draft, req))
+        if constrained:  # no drafts: one row, one token each
+            self.grammar.advance(matchers, [best[i] for i in constrained])
+        return chosen, _logprobs(logits, first, chosen, requests)
+
+
+def _cumsum_from_zero(values: list[int]) -> list[int]:
+    out, total = [], 0
+    for v in values:
+        out.append(total)
+        total += v
+    return out
 
 
 def apply_penalties(logits: Tensor, requests: Sequence[SamplerRequest]) -> Tensor:
@@ -116,10 +155,9 @@ def _padded(token_lists: list[list[int]], V: int, device: torch.device) -> Tenso
     )
 
 
-def _draw(logits: Tensor, requests: Sequence[SamplerRequest]) -> Tensor:
-    """One draw per row after temperature, min-p, top-k and top-p (vLLM's order)."""
-    params = [req.params for req in requests]
-    dev, V = logits.device, logits.shape[1]
+def _probs(logits: Tensor, params: list[SamplingParams]) -> Tensor:
+    """Each row's distribution after temperature, min-p, top-k and top-p (vLLM's order)."""
+    dev = logits.device
     # Greedy rows never get here, so no temperature is below _SAMPLING_EPS.
     temp = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
     x = logits / temp[:, None]
@@ -130,11 +168,36 @@ def _draw(logits: Tensor, requests: Sequence[SamplerRequest]) -> Tensor:
         x = x.masked_fill(x < floor, _NEG_INF)
     if any(p.top_k for p in params) or any(p.top_p < 1 for p in params):
         x = _top_k_top_p(x, params)
-    probs = x.softmax(-1)
-    # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) is a draw from p, and each
-    # row's noise comes from its own generator, so the batch never changes a draw.
-    noise = torch.stack([torch.empty(V).exponential_(generator=req.generator) for req in requests])
-    return (probs / noise.to(dev)).argmax(-1)
+    return x.softmax(-1)
+
+
+def _race(probs: Tensor, generators: Sequence[torch.Generator]) -> Tensor:
+    """One draw per row of `probs` (unnormalized is fine): the exponential race (Gumbel-max),
+    argmax(p / E) with E ~ Exp(1), each row's noise from its own generator, so the batch never
+    changes a draw."""
+    V = probs.shape[1]
+    noise = torch.stack([torch.empty(V).exponential_(generator=g) for g in generators])
+    return (probs / noise.to(probs.device)).argmax(-1)
+
+
+def _draw(logits: Tensor, requests: Sequence[SamplerRequest]) -> Tensor:
+    """One draw per row after temperature, min-p, top-k and top-p."""
+    probs = _probs(logits, [req.params for req in requests])
+    return _race(probs, [req.generator for req in requests])
+
+
+def _accept_or_resample(logits: Tensor, draft: list[int], req: SamplerRequest) -> list[int]:
+    """Speculative sampling with drafts proposed with certainty (q(t) = 1): accept draft t at
+    row i with probability min(1, p(t) / q(t)) = p(t); on a rejection draw from the residual
+    max(0, p - q), which is p without t; after the last draft draw from the last row."""
+    probs = _probs(logits, [req.params] * len(logits))
+    p_draft = probs[torch.arange(len(draft)), torch.tensor(draft)].tolist()
+    for i, (t, p) in enumerate(zip(draft, p_draft, strict=True)):
+        if torch.rand((), generator=req.generator).item() >= p:
+            residual = probs[i].clone()
+            residual[t] = 0.0
+            return [*draft[:i], int(_race(residual[None], [req.generator])[0])]
+    return [*draft, int(_race(probs[-1:], [req.generator])[0])]
 
 
 def _top_k_top_p(x: Tensor, params: list[SamplingParams]) -> Tensor:
@@ -154,15 +217,26 @@ def _top_k_top_p(x: Tensor, params: list[SamplingParams]) -> Tensor:
 
 
 def _logprobs(
-    logits: Tensor, tokens: Tensor, requests: Sequence[SamplerRequest]
-) -> list[TokenLogprob | None]:
-    """The chosen token's logprob and the top-n, for the rows that asked, under the raw logits."""
-    out: list[TokenLogprob | None] = [None] * len(requests)
+    logits: Tensor,
+    first: list[int],
+    chosen: list[list[int]],
+    requests: Sequence[SamplerRequest],
+) -> list[list[TokenLogprob | None]]:
+    """Each chosen token's logprob and the top-n, for the requests that asked, under the raw
+    logits of the row it was chosen at (request r's k-th token: row first[r] + k)."""
+    out: list[list[TokenLogprob | None]] = [[None] * len(c) for c in chosen]
     wanted = [r for r, req in enumerate(requests) if req.params.logprobs is not None]
     if not wanted:
         return out
-    rows = torch.tensor(wanted, device=logits.device)
-    top_n = [requests[r].params.logprobs for r in wanted]
-    for r, lp in zip(wanted, token_logprobs(logits[rows], tokens[rows], top_n), strict=True):
-        out[r] = lp
+    rows = [first[r] + k for r in wanted for k in range(len(chosen[r]))]
+    tokens = [t for r in wanted for t in chosen[r]]
+    top_n = [requests[r].params.logprobs for r in wanted for _ in chosen[r]]
+    dev = logits.device
+    lps = iter(
+        token_logprobs(
+            logits[torch.tensor(rows, device=dev)], torch.tensor(tokens, device=dev), top_n
+        )
+    )
+    for r in wanted:
+        out[r] = [next(lps) for _ in chosen[r]]
     return out

@@ -1,6 +1,7 @@
 """Who runs next, and how many tokens each: one token budget for decodes and prefill chunks.
 
-Each step: running requests first, oldest first, each its next token (a decode) or the next
+Each step: running requests first, oldest first, each its next token (a decode, followed by
+its draft tokens when speculative decoding proposed some: engine/speculative.py) or the next
 chunk of a prompt still being prefilled; then waiting requests, oldest first, while the budget,
 `max_num_seqs` and free blocks allow, the last one's prompt chunked to fit what is left. A
 waiting request first matches the prefix cache: it shares the matched blocks and starts after
@@ -20,7 +21,9 @@ from tinyllm.engine.request import Request, RequestStatus
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
+    # (request, tokens to run): its next tokens, then its `spec_token_ids`, which the scheduler
+    # has cut to what the step runs
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     rejected: list[Request] = field(default_factory=list)  # can never fit the pool
 
@@ -49,8 +52,17 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            # Its draft tokens (speculative decoding) run after its next token, as far as the
+            # budget goes; without blocks for them it runs without them before anyone is
+            # preempted.
+            base = request.num_tokens - request.num_computed_tokens
+            n = min(base + len(request.spec_token_ids), budget)
+            del request.spec_token_ids[max(n - base, 0) :]
             while not self.kv.allocate(request, n):
+                if request.spec_token_ids:
+                    n -= len(request.spec_token_ids)
+                    request.spec_token_ids = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -88,6 +100,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        request.spec_token_ids = []
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1

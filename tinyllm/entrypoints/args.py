@@ -20,6 +20,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def speculative_json(text: str) -> str:
+    """An argparse type: --speculative-config's JSON, checked before loading."""
+    from tinyllm.engine.config import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
@@ -96,6 +107,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="auto: the in-place kernel for the device, else the reference gather + SDPA",
     )
     p.add_argument(
+        "--speculative-config",
+        type=speculative_json,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '
+        '"num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\': '
+        "draft tokens looked up in the context, verified in one pass; the same greedy "
+        "tokens, faster where the answer repeats its context (default: off)",
+    )
+    p.add_argument(
         "--generation-config",
         default="auto",
         choices=GENERATION_CONFIGS,
@@ -132,6 +153,7 @@ def build_llm(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
         attention_backend=args.attention_backend,
+        speculative_config=args.speculative_config,
     )
 
 

@@ -51,6 +51,22 @@ class ServerMetrics:
             "Of the prefix cache's queried tokens, those found cached (not computed).",
             registry=r,
         )
+        # vLLM's spec-decode counters; mean acceptance length = 1 + accepted / drafts.
+        self.spec_drafts = Counter(
+            "tinyllm_spec_decode_num_drafts",
+            "Speculative decoding: rows verified with draft tokens.",
+            registry=r,
+        )
+        self.spec_draft_tokens = Counter(
+            "tinyllm_spec_decode_num_draft_tokens",
+            "Speculative decoding: draft tokens verified.",
+            registry=r,
+        )
+        self.spec_accepted_tokens = Counter(
+            "tinyllm_spec_decode_num_accepted_tokens",
+            "Speculative decoding: draft tokens accepted.",
+            registry=r,
+        )
         self.request_success = Counter(
             "tinyllm_request_success",
             "Requests finished, by finish reason.",
@@ -91,6 +107,10 @@ class ServerMetrics:
         self.generation_tokens.inc(s.generation_tokens - self._last.generation_tokens)
         self.prefix_cache_queries.inc(s.prefix_cache_queries - self._last.prefix_cache_queries)
         self.prefix_cache_hits.inc(s.prefix_cache_hits - self._last.prefix_cache_hits)
+        spec, last = s.spec_decode, self._last.spec_decode
+        self.spec_drafts.inc(spec.num_drafts - last.num_drafts)
+        self.spec_draft_tokens.inc(spec.num_draft_tokens - last.num_draft_tokens)
+        self.spec_accepted_tokens.inc(spec.num_accepted_tokens - last.num_accepted_tokens)
         self._last = s
 
     def record_finished(

@@ -1,0 +1,180 @@
+"""Speculative decoding's verification (Sampler.verify), its settings and its auto-off rules,
+without a model: the sampled tokens follow the target distribution whatever the drafts are."""
+
+import pytest
+import torch
+
+from tinyllm.engine.config import EngineConfig, SpeculativeConfig
+from tinyllm.engine.request import Request
+from tinyllm.engine.sampler import Sampler, _accept_or_resample, _probs
+from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.engine.speculative import Speculator
+
+V = 6
+# The false-alarm rate of each chi-square check below (with fixed seeds the test is
+# deterministic; this is how unlikely a correct sampler is to fail it).
+ALPHA = 1e-4
+
+
+def _request(params: SamplingParams, seed: int = 0, prompt=(5, 6, 7)) -> Request:
+    return Request("r", list(prompt), params, max_tokens=100, eos_token_ids=[0], seed=seed)
+
+
+def _target(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    return _probs(logits, [params] * len(logits)).double()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=4),
+        SamplingParams(temperature=1.3, top_p=0.8),
+    ],
+    ids=["plain", "top_k", "top_p"],
+)
+def test_sampled_tokens_follow_the_target_whatever_the_drafts(params):
+    """The speculative sampling rule (`_accept_or_resample`, which Sampler.verify applies to
+    each sampled row with drafts). Rows 0..2 predict positions 1..3. With drafts [a, b],
+    position 1's token is distributed as row 0's p whatever a is (likely or not); given that it
+    was a, position 2's as row 1's; given a then b, position 3's as row 2's. 2500 draws each,
+    one generator."""
+    torch.manual_seed(1)
+    logits = torch.randn(3, V) * 1.5
+    target = _target(logits, params)
+    likely, unlikely = int(target[0].argmax()), int(target[0].argmin())
+    req = _request(params, seed=7)
+    for first in (likely, unlikely):
+        draft = [first, int(target[1].argmax())]
+        runs = [_accept_or_resample(logits, draft, req) for _ in range(2500)]
+        _check(target[0], [run[0] for run in runs])
+        _check(target[1], [run[1] for run in runs if run[0] == first])
+        _check(target[2], [run[2] for run in runs if run[:2] == draft])
+
+
+def _check(p: torch.Tensor, tokens: list[int]) -> None:
+    if len(tokens) < 300:  # too few to tell (a draft the target rarely or never picks)
+        return
+    counts = torch.bincount(torch.tensor(tokens), minlength=V).double()
+    expected = p * len(tokens)
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token outside the target's support was drawn"
+    # Categories expected fewer than 5 times are pooled, as the test requires.
+    small = keep & (expected < 5)
+    obs = [*counts[keep & ~small].tolist(), float(counts[small].sum())]
+    exp = [*expected[keep & ~small].tolist(), float(expected[small].sum())]
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    assert _chi_square_pvalue(obs, exp) > ALPHA, (obs, exp)
+
+
+def _chi_square_pvalue(observed: list[float], expected: list[float]) -> float:
+    """Pearson's test: the chance of a statistic this large from the expected distribution,
+    the chi-square survival function with k - 1 degrees of freedom: Q((k - 1) / 2, stat / 2)."""
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected, strict=True))
+    dof = torch.tensor((len(observed) - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(dof, torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_greedy_accepts_the_argmax_run_and_adds_the_models_token():
+    logits = torch.tensor([[0, 3, 1, 0.0], [0, 0, 0, 5.0], [2, 0, 0, 0.0], [0, 0, 9, 0.0]])
+    greedy = _request(SamplingParams(temperature=0, logprobs=1))
+    (tokens,), (logprobs,) = Sampler().verify(logits, [greedy], [[1, 3, 1]])
+    # 1 and 3 are row 0's and row 1's argmax; row 2's is 0, not the draft 1.
+    assert tokens == [1, 3, 0]
+    assert [lp.token_id for lp in logprobs] == tokens
+    assert logprobs[2].logprob == pytest.approx(float(logits[2].log_softmax(-1)[0]))
+    (all_ok,), _ = Sampler().verify(logits, [greedy], [[1, 3, 0]])
+    assert all_ok == [1, 3, 0, 2]  # every draft accepted: the last row's token is added
+
+
+def test_a_request_without_drafts_draws_as_without_speculation():
+    """Same seed, same logits: verify() with no drafts is the plain sampler, draw for draw,
+    next to a row that has drafts."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, V)
+    sampled = SamplingParams(temperature=1.0, seed=3)
+    (plain,), _ = Sampler()(logits[:1], [_request(sampled)])
+    a, other = _request(sampled), _request(SamplingParams(temperature=0))
+    tokens, _ = Sampler().verify(logits, [a, other], [[], [1, 2]])
+    assert tokens[0] == [plain]
+
+
+def _decoding(prompt: list[int], params: SamplingParams, output: list[int]) -> Request:
+    r = _request(params, prompt=prompt)
+    r.all_token_ids += output
+    r.num_computed_tokens = r.num_tokens - 1
+    return r
+
+
+def test_drafts_come_from_the_context_and_stop_at_max_tokens():
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4), max_model_len=100)
+    params = SamplingParams(temperature=0, max_tokens=100)
+    r = _decoding([1, 2, 3, 4, 5, 6, 7, 8, 1, 2], params, [3])
+    spec.propose([r])
+    assert r.spec_token_ids == [4, 5, 6, 7]
+    r.max_tokens = 3  # two more tokens may come: one draft and the model's own
+    spec.propose([r])
+    assert r.spec_token_ids == [4]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(repetition_penalty=1.2),
+        SamplingParams(presence_penalty=0.5),
+        SamplingParams(frequency_penalty=0.5),
+    ],
+)
+def test_penalized_requests_are_not_speculated(params):
+    spec = Speculator(SpeculativeConfig(), max_model_len=100)
+    r = _decoding([1, 2, 3, 4, 1, 2], params, [3])
+    spec.propose([r])
+    assert r.spec_token_ids == []
+
+
+def test_a_crowded_step_and_a_missing_request_get_no_drafts():
+    spec = Speculator(SpeculativeConfig(max_batch=2), max_model_len=100)
+    params = SamplingParams(temperature=0)
+    rows = [_decoding([1, 2, 3, 1, 2], params, [3]) for _ in range(3)]
+    spec.propose(rows)
+    assert all(r.spec_token_ids == [] for r in rows)  # 3 decoding rows > max_batch
+    spec.propose(rows[:2])
+    assert all(r.spec_token_ids == [1, 2, 3] for r in rows[:2])
+    # A miss: no drafts for the next step; another: for the next three; a hit resets it.
+    r = rows[0]
+    for wait in (1, 3, 7, 15, 16, 16):
+        spec.record(r, 3, 0)
+        for _ in range(wait):
+            spec.propose([r])
+            assert r.spec_token_ids == []
+        spec.propose([r])
+        assert r.spec_token_ids == [1, 2, 3]
+    spec.record(r, 3, 1)
+    spec.propose([r])
+    assert r.spec_token_ids == [1, 2, 3]
+    assert spec.stats.num_drafts == 7 and spec.stats.num_draft_tokens == 21
+    assert spec.stats.mean_acceptance_length == pytest.approx(1 + 1 / 7)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"method": "eagle"}, "method='eagle': tinyllm has 'ngram'"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens=0 must be an integer >= 1"),
+        ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max=2 must be an"),
+        ({"lookahead": 3}, r"unknown key\(s\) \['lookahead'\]"),
+        ("{not json", "speculative_config is not valid JSON"),
+        (5, "speculative_config must be a dict"),
+    ],
+)
+def test_bad_settings_are_named(value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(speculative_config=value)
+
+
+def test_settings_from_json_text():
+    cfg = EngineConfig(speculative_config='{"num_speculative_tokens": 3, "prompt_lookup_max": 4}')
+    assert cfg.speculative_config == SpeculativeConfig(
+        num_speculative_tokens=3, prompt_lookup_max=4
+    )
