@@ -287,6 +287,33 @@ def test_structured_baselines_that_cannot_compare(workload, given, structured, m
         baseline_for(workload, given, structured)
 
 
+def test_a_speculative_run_is_measured_against_itself_without_speculation():
+    from tinyllm.entrypoints.bench.offline import baseline_for
+
+    assert baseline_for("grounded", "auto", speculative=True) == "no-speculation"
+    assert baseline_for("grounded", "transformers", speculative=True) == "transformers"
+    with pytest.raises(ValueError, match="no-speculation needs --speculative-config"):
+        baseline_for("grounded", "no-speculation")
+
+
+def test_summary_and_json_show_the_drafts():
+    from tinyllm.engine.speculative import SpecStats
+
+    res = _result()
+    spec = SpecStats(num_drafts=50, num_draft_tokens=200, num_accepted_tokens=120)
+    res = dataclasses.replace(res, runs=[dataclasses.replace(res.runs[0], spec=spec)])
+    assert (
+        "tinyllm: speculative decoding: 50 rows verified with drafts, 120 of 200 draft tokens "
+        "accepted (60%), mean acceptance length 3.40" in summary(res)
+    )
+    assert to_json(res)["tinyllm"]["spec_decode"] == {
+        "num_drafts": 50,
+        "num_draft_tokens": 200,
+        "num_accepted_tokens": 120,
+        "mean_acceptance_length": 3.4,
+    }
+
+
 def test_summary_and_json_show_what_the_token_masks_cost():
     from tinyllm.engine.grammar import GrammarStats
 

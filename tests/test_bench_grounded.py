@@ -148,6 +148,24 @@ def test_bench_grounded_runs_one_request_at_a_time_against_transformers(tmp_path
     assert "(at most 1 at once)" in r.stdout.splitlines()[1]
 
 
+@pytest.mark.slow
+def test_bench_grounded_with_speculation_against_itself_without(tmp_path):
+    """--speculative-config: the baseline is the same engine with it off, the same tokens."""
+    out = tmp_path / "spec.json"
+    spec = '{"num_speculative_tokens": 4}'
+    args = ["--seed", "6", "--num-requests", "2", "--threads", "1", "--json", str(out)]
+    r = _tinyllm("bench", "grounded", *args, "--speculative-config", spec)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    t, b = res["tinyllm"], res["baseline"]
+    assert b["engine"] == "no-speculation" and b["spec_decode"] is None
+    assert b["output_tokens_per_s"] * b["seconds"] == pytest.approx(res["output_tokens"])
+    drafts = t["spec_decode"]
+    assert 0 < drafts["num_accepted_tokens"] <= drafts["num_draft_tokens"]
+    assert "tinyllm: speculative decoding:" in r.stdout
+    assert res["engine_args"]["speculative_config"] == spec
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -35,6 +35,13 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
 
+    def __sub__(self, other: "SpecStats") -> "SpecStats":
+        return SpecStats(
+            self.num_drafts - other.num_drafts,
+            self.num_draft_tokens - other.num_draft_tokens,
+            self.num_accepted_tokens - other.num_accepted_tokens,
+        )
+
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens a verified row yields on average: its accepted drafts plus the model's own."""

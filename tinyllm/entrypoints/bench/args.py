@@ -40,11 +40,19 @@ def _offline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--baseline",
         default="auto",
-        choices=["auto", "transformers", "no-prefix-caching", "unconstrained", "none"],
+        choices=[
+            "auto",
+            "transformers",
+            "no-prefix-caching",
+            "no-speculation",
+            "unconstrained",
+            "none",
+        ],  # fmt: skip
         help="measured in the same run: HF transformers (fp32, static batches of 16), "
-        "tinyllm with prefix caching off, or (with --structured) tinyllm unconstrained; auto: "
-        "unconstrained with --structured, else caching off for shared-prefix and multi-turn, "
-        "else transformers",
+        "tinyllm with prefix caching off, (with --speculative-config) tinyllm without "
+        "speculation, or (with --structured) tinyllm unconstrained; auto: unconstrained with "
+        "--structured, else no-speculation with --speculative-config, else caching off for "
+        "shared-prefix and multi-turn, else transformers",
     )
     p.add_argument(
         "--structured",

@@ -23,6 +23,7 @@ from tinyllm.engine.engine import LLMEngine
 from tinyllm.engine.grammar import GrammarStats
 from tinyllm.engine.outputs import RequestOutput
 from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.engine.speculative import SpecStats
 from tinyllm.engine.structured_output import StructuredOutputsParams
 from tinyllm.entrypoints.args import build_llm, engine_options
 from tinyllm.entrypoints.bench.baseline import BASELINE_BATCH, load_transformers, run_transformers
@@ -105,6 +106,7 @@ class EngineRun:
         engine.reset_prefix_cache()
         self._stats = engine.stats()
         self._grammar = dataclasses.replace(self._grammar_stats)
+        self._spec = self._stats.spec_decode
         self.submitted: dict[str, float] = {}
         self.ttft: dict[str, float] = {}
 
@@ -130,6 +132,13 @@ class EngineRun:
         now, then = self.engine.stats(), self._stats
         queried = now.prefix_cache_queries - then.prefix_cache_queries
         return (now.prefix_cache_hits - then.prefix_cache_hits) / queried if queried else None
+
+    @property
+    def spec(self) -> SpecStats | None:
+        """Speculative decoding's drafts in this run; None when the engine has it off."""
+        if self.engine.speculator is None:
+            return None
+        return self.engine.stats().spec_decode - self._spec
 
     @property
     def grammar(self) -> GrammarStats | None:
@@ -169,7 +178,7 @@ def run_tinyllm(
             raise RuntimeError(f"tinyllm made {made[str(i)]} tokens, asked {r.max_tokens}")
     requests = [Request(r.prompt_token_ids, made[str(i)]) for i, r in enumerate(requests)]
     ttft = statistics.fmean(bench.ttft.values())
-    run = measured(name, requests, seconds, ttft=ttft, hit_rate=bench.hit_rate)
+    run = measured(name, requests, seconds, ttft=ttft, hit_rate=bench.hit_rate, spec=bench.spec)
     return dataclasses.replace(run, grammar=bench.grammar), requests
 
 
@@ -206,7 +215,10 @@ def run_chat_replay(
         for turn in range(turns)
     )
     ttft = statistics.fmean(bench.ttft.values())
-    run = measured(name, sent, seconds, ttft=ttft, hit_rate=bench.hit_rate, ttft_by_turn=by_turn)
+    run = measured(
+        name, sent, seconds, ttft=ttft, hit_rate=bench.hit_rate, ttft_by_turn=by_turn,
+        spec=bench.spec,
+    )  # fmt: skip
     return run, sent
 
 
@@ -232,13 +244,22 @@ def without_prefix_caching(llm: "LLM") -> "LLM":
 
 
 def baseline_for(
-    workload: str, baseline: str, structured: str | None = None, dummy: bool = False
+    workload: str,
+    baseline: str,
+    structured: str | None = None,
+    dummy: bool = False,
+    speculative: bool = False,
 ) -> str:
-    """--baseline auto: with --structured the same run unconstrained; else tinyllm without
-    prefix caching where the workload is about the cache, else transformers (none for `dummy`
+    """--baseline auto: with --structured the same run unconstrained; with
+    --speculative-config the same run without speculation; else tinyllm without prefix
+    caching where the workload is about the cache, else transformers (none for `dummy`
     weights, which transformers cannot load). A chat replay has no transformers baseline and no
     constraint; only a constrained run has an unconstrained baseline, and it has no other (it
     ends requests early)."""
+    if baseline == "no-speculation" and not speculative:
+        raise ValueError("--baseline no-speculation needs --speculative-config (what to turn off)")
+    if speculative and structured is None and baseline == "auto":
+        return "no-speculation"
     chat = WORKLOADS[workload].turns > 1
     if structured is not None:
         if chat:
@@ -265,7 +286,8 @@ def run_bench(args: argparse.Namespace) -> None:
     # Before a minute of model loading.
     check_workload(args.workload, args.num_requests, args.max_concurrency)
     dummy = args.load_format == "dummy"
-    baseline = baseline_for(args.workload, args.baseline, args.structured, dummy)
+    speculative = args.speculative_config is not None
+    baseline = baseline_for(args.workload, args.baseline, args.structured, dummy, speculative)
     constraint = None
     if args.structured is not None:
         constraint = StructuredOutputsParams(json=STRUCTURED_SCHEMAS[args.structured])
@@ -319,6 +341,9 @@ def run_bench(args: argparse.Namespace) -> None:
     elif hf is not None:
         _phase(f"running the baseline: transformers, {threads(machine.threads)}")
         runs.append(run_transformers(hf, requests, max_concurrency or BASELINE_BATCH))
+    elif baseline == "no-speculation":
+        _phase(f"running the baseline: tinyllm without speculation, {threads(machine.threads)}")
+        runs.append(run(fresh_engine(llm, speculative_config=None), "no-speculation")[0])
     elif baseline == "no-prefix-caching":
         _phase(f"running the baseline: tinyllm without prefix caching, {threads(machine.threads)}")
         runs.append(run(without_prefix_caching(llm), "no-prefix-caching")[0])

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tinyllm.engine.grammar import GrammarStats
+from tinyllm.engine.speculative import SpecStats
 from tinyllm.entrypoints.bench.machine import Machine
 from tinyllm.entrypoints.workloads import Request
 
@@ -24,6 +25,7 @@ class Run:
     hit_rate: float | None = None  # prefix cache: hit / queried prompt tokens
     ttft_by_turn: tuple[float, ...] | None = None  # a chat replay's mean TTFT at each turn
     grammar: GrammarStats | None = None  # a constrained run's token masks: their cost
+    spec: SpecStats | None = None  # speculative decoding's drafts, with it on
 
     @property
     def output_rate(self) -> float:
@@ -42,12 +44,12 @@ def threads(n: int) -> str:
     return f"{n} thread" + ("s" if n != 1 else "")
 
 
-def measured(engine: str, requests: list[Request], seconds: float, **latency) -> Run:
-    """A run that made every request's max_tokens (both engines ignore EOS); `latency`: the
-    Run's TTFT and hit-rate fields, where measured."""
+def measured(engine: str, requests: list[Request], seconds: float, **engine_stats) -> Run:
+    """A run that made every request's max_tokens (both engines ignore EOS); `engine_stats`:
+    the Run's fields that only tinyllm's runs measure (TTFT, hit rate, drafts)."""
     prompt = sum(len(r.prompt_token_ids) for r in requests)
     output = sum(r.max_tokens for r in requests)
-    return Run(engine, len(requests), prompt, output, seconds, **latency)
+    return Run(engine, len(requests), prompt, output, seconds, **engine_stats)
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,8 @@ def summary(res: OfflineResult) -> str:
     for r in res.runs:
         if r.grammar is not None:
             lines.append(_grammar_line(r))
+        if r.spec is not None:
+            lines.append(_spec_line(r.engine, r.spec))
     if res.single_stream:
         lines.append(
             f"single stream: tinyllm {first.output_rate:.1f} tok/s, "
@@ -147,6 +151,24 @@ def _grammar_line(r: Run) -> str:
     )
 
 
+def _spec_line(engine: str, s: SpecStats) -> str:
+    accepted = s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else 0.0
+    return (
+        f"{engine}: speculative decoding: {s.num_drafts} rows verified with drafts, "
+        f"{s.num_accepted_tokens} of {s.num_draft_tokens} draft tokens accepted ({accepted:.0%}), "
+        f"mean acceptance length {s.mean_acceptance_length:.2f}"
+    )
+
+
+def _spec_json(s: SpecStats) -> dict:
+    return {
+        "num_drafts": s.num_drafts,
+        "num_draft_tokens": s.num_draft_tokens,
+        "num_accepted_tokens": s.num_accepted_tokens,
+        "mean_acceptance_length": s.mean_acceptance_length,
+    }
+
+
 # -- JSON ----------------------------------------------------------------------------------------
 
 
@@ -164,6 +186,7 @@ def _run_json(r: Run, res: OfflineResult) -> dict:
         "prefix_cache_hit_rate": r.hit_rate,
         "ttft_by_turn_s": list(r.ttft_by_turn) if r.ttft_by_turn else None,
         "token_masks": None if r.grammar is None else _grammar_json(r.grammar),
+        "spec_decode": None if r.spec is None else _spec_json(r.spec),
     }
 
 
