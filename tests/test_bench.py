@@ -314,6 +314,16 @@ def test_summary_and_json_show_the_drafts():
     }
 
 
+def test_a_sampled_run_says_its_temperature():
+    res = dataclasses.replace(_result(), temperature=0.8)
+    assert (
+        summary(res)
+        .splitlines()[0]
+        .startswith("workload offline-small: 4 requests, sampled at temperature 0.8, seed 7")
+    )
+    assert to_json(res)["temperature"] == 0.8 and to_json(_result())["temperature"] == 0.0
+
+
 def test_summary_and_json_show_what_the_token_masks_cost():
     from tinyllm.engine.grammar import GrammarStats
 

@@ -129,6 +129,21 @@ def test_run_keeps_at_most_max_concurrency_in_flight_and_stops_at_eos(tiny, max_
     assert same == made and again.output_tokens == run.output_tokens
 
 
+def test_a_sampled_run_samples_every_request_and_makes_its_tokens(tiny):
+    llm = _tiny_llm(tiny)
+    add, temperatures = llm.engine.add_request, []
+
+    def noting_add(prompt, params, *args, **kwargs):
+        temperatures.append(params.temperature)
+        return add(prompt, params, *args, **kwargs)
+
+    llm.engine.add_request = noting_add
+    asked = [Request([5 + i, 6, 7, 8], 12) for i in range(3)]
+    run, made = run_tinyllm(llm, asked, temperature=0.7)
+    assert temperatures == [0.0, 0.7, 0.7, 0.7]  # the warm-up, then each request
+    assert made == asked and run.output_tokens == 36
+
+
 @pytest.mark.slow
 def test_bench_grounded_runs_one_request_at_a_time_against_transformers(tmp_path):
     out = tmp_path / "grounded.json"

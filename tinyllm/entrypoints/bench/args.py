@@ -65,6 +65,13 @@ def _offline_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="tinyllm's runs sample at this temperature (default 0: greedy); the transformers "
+        "baseline stays greedy, making as many tokens",
+    )
+    p.add_argument(
         "--num-requests",
         type=int,
         default=None,

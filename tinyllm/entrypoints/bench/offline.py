@@ -79,12 +79,15 @@ def weight_bytes_per_token(model: Transformer) -> int:
     return total
 
 
-def _greedy(
-    max_tokens: int, constraint: StructuredOutputsParams | None = None, ignore_eos: bool = True
+def _params(
+    max_tokens: int,
+    constraint: StructuredOutputsParams | None = None,
+    ignore_eos: bool = True,
+    temperature: float = 0.0,
 ) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=0,
+        temperature=temperature,
         ignore_eos=ignore_eos,
         structured_outputs=constraint,
     )
@@ -97,10 +100,14 @@ class EngineRun:
     every run starts cold."""
 
     def __init__(
-        self, engine: "LLMEngine", warmup: Request, constraint: StructuredOutputsParams | None
+        self,
+        engine: "LLMEngine",
+        warmup: Request,
+        constraint: StructuredOutputsParams | None,
+        temperature: float = 0.0,
     ) -> None:
-        self.engine, self.constraint = engine, constraint
-        engine.add_request(warmup.prompt_token_ids, _greedy(2, constraint), "warmup")
+        self.engine, self.constraint, self.temperature = engine, constraint, temperature
+        engine.add_request(warmup.prompt_token_ids, _params(2, constraint), "warmup")
         while engine.has_unfinished():
             engine.step()
         engine.reset_prefix_cache()
@@ -115,7 +122,7 @@ class EngineRun:
         return self.engine.runner.sampler.grammar.stats
 
     def add(self, request_id: str, request: Request) -> None:
-        params = _greedy(request.max_tokens, self.constraint, request.ignore_eos)
+        params = _params(request.max_tokens, self.constraint, request.ignore_eos, self.temperature)
         self.engine.add_request(request.prompt_token_ids, params, request_id)
         self.submitted[request_id] = time.perf_counter()
 
@@ -152,13 +159,14 @@ def run_tinyllm(
     name: str = "tinyllm",
     constraint: StructuredOutputsParams | None = None,
     max_concurrency: int | None = None,
+    temperature: float = 0.0,
 ) -> tuple[Run, list[Request]]:
     """The run, and the requests as made, each with the number of tokens it made and EOS
     ignored (what a baseline then runs): under a constraint a request ends where its grammar
     does, one that stops at EOS where its EOS is, at most at its max_tokens; else it makes
     them all. At most `max_concurrency` requests in flight (None: all at once); the next is
-    sent as one finishes."""
-    bench = EngineRun(llm.engine, requests[0], constraint)
+    sent as one finishes. `temperature` 0: greedy."""
+    bench = EngineRun(llm.engine, requests[0], constraint, temperature)
     pending = iter(enumerate(requests))
     made = {}
 
@@ -183,12 +191,15 @@ def run_tinyllm(
 
 
 def run_chat_replay(
-    llm: "LLM", conversations: list[list[Request]], name: str = "tinyllm"
+    llm: "LLM",
+    conversations: list[list[Request]],
+    name: str = "tinyllm",
+    temperature: float = 0.0,
 ) -> tuple[Run, list[Request]]:
     """Every conversation's turns in order, all conversations at once: a turn is sent when the
     previous one's answer is in, its prompt the conversation so far plus its new tokens. Returns
     the run and the requests as sent (whole prompts), for the token and FLOP counts."""
-    bench = EngineRun(llm.engine, conversations[0][0], None)
+    bench = EngineRun(llm.engine, conversations[0][0], None, temperature)
     sent: list[Request] = []
     history = [[] for _ in conversations]
 
@@ -318,8 +329,8 @@ def run_bench(args: argparse.Namespace) -> None:
     ) -> tuple[Run, list[Request]]:
         """The run, and its requests as made (a chat replay's turns with their histories)."""
         if turns == 1:
-            return run_tinyllm(llm, requests, name, constraint, max_concurrency)
-        return run_chat_replay(llm, conversations, name)
+            return run_tinyllm(llm, requests, name, constraint, max_concurrency, args.temperature)
+        return run_chat_replay(llm, conversations, name, args.temperature)
 
     what = f"{len(conversations)} conversations" if turns > 1 else f"{len(requests)} requests"
     if turns == 1 and max_concurrency is not None:
@@ -357,6 +368,7 @@ def run_bench(args: argparse.Namespace) -> None:
         machine=machine,
         engine_args=engine_options(args),
         max_concurrency=max_concurrency if turns == 1 else None,
+        temperature=args.temperature,
     )
     print("\n" + summary(result))
     if args.json:

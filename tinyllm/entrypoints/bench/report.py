@@ -63,6 +63,7 @@ class OfflineResult:
     machine: Machine
     engine_args: dict[str, object]
     max_concurrency: int | None = None  # requests in flight at once (None: all)
+    temperature: float = 0.0  # tinyllm's runs' (0: greedy)
 
     @property
     def single_stream(self) -> bool:
@@ -100,6 +101,8 @@ def _maybe(value: float | None, scale: float, fmt: str) -> str:
 def summary(res: OfflineResult) -> str:
     m, first = res.machine, res.runs[0]
     at_once = "" if res.max_concurrency is None else f" (at most {res.max_concurrency} at once)"
+    if res.temperature:
+        at_once += f", sampled at temperature {res.temperature:g}"
     lines = [
         f"workload {res.workload}: {first.requests} requests{at_once}, seed {res.seed}, "
         f"{first.prompt_tokens} prompt + {first.output_tokens} output tokens, "
@@ -206,6 +209,7 @@ def to_json(res: OfflineResult) -> dict:
     return {
         "workload": res.workload,
         "seed": res.seed,
+        "temperature": res.temperature,
         "requests": first.requests,
         "max_concurrency": res.max_concurrency,
         "prompt_tokens": first.prompt_tokens,
