@@ -1,6 +1,7 @@
 """What packing each GGUF block type for tinyllm's kernel changes in its weights: random blocks
-in the type's byte layout (tests/test_kquant.py's encoder), decoded by the gguf package's own
-dequantize (the oracle) and by unpacking what tinyllm packs (loaders/gguf_blocks.py).
+in the type's byte layout (tests/gguf_encoders.py's random_blocks), decoded by the gguf
+package's own dequantize (the oracle) and by unpacking what tinyllm packs
+(loaders/gguf_blocks.py).
 
     python -m benchmarks.gguf_block_error [--rows 256 --cols 4096]   (from the repository root)
 
@@ -17,7 +18,7 @@ import gguf
 import numpy as np
 import torch
 
-from tests.test_kquant import encode
+from tests.gguf_encoders import random_blocks
 from tinyllm.loaders.gguf_blocks import GROUP_TYPES, KERNEL_BITS, groups
 from tinyllm.model.quant import pack, unpack
 
@@ -52,7 +53,7 @@ def main() -> None:
     columns += ["max change / max abs w", "RMS change / RMS w", "RMS change / own rounding"]
     print("| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
     for qtype in KERNEL_BITS:
-        blocks = encode((args.rows, args.cols), qtype, np.random.default_rng(0))
+        blocks = random_blocks((args.rows, args.cols), qtype, np.random.default_rng(0))
         oracle = torch.from_numpy(gguf.quants.dequantize(blocks, qtype)).double()
         g = groups(blocks, qtype, (args.rows, args.cols))
         packed = pack(g)

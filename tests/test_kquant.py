@@ -1,7 +1,8 @@
 """GGUF's quantized block types (loaders/gguf_blocks.py) against the gguf package's own
-`dequantize`, the oracle: blocks written here in each type's byte layout, packed for the kernel
-and multiplied by it; a tiny Llama file of K-quant tensors against transformers on the same
-file; and files tinyllm cannot run, refused in one line."""
+`dequantize`, the oracle: blocks in each type's byte layout (tests/gguf_encoders.py), packed
+for the kernel and multiplied by it; the encoders' K-quant quantizers against it; a tiny Llama
+file of K-quant tensors against transformers on the same file; and files tinyllm cannot run,
+refused in one line."""
 
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.gguf_encoders import quantize, random_blocks
 from tests.model_runs import prompt_logits
 from tests.test_gguf_loader import HEADS, hf_weights, write_gguf
 from tests.test_quant import quantized_activations, run_at_level
@@ -23,58 +25,20 @@ from tinyllm.model.quant import pack, quantize_linears, unpack
 Q = gguf.GGMLQuantizationType
 TYPES = list(KERNEL_BITS)
 
-# Each type's fp16 fields (byte offset, size): the scale d, then the min or offset if any, sized
-# so that weights stay within about +-0.1. Any other byte pattern is a valid block.
-FP16_FIELDS = {
-    Q.Q4_0: ((0, 0.1 / 8),),
-    Q.Q4_1: ((0, 0.1 / 15), (2, -0.05)),
-    Q.Q5_0: ((0, 0.1 / 16),),
-    Q.Q5_1: ((0, 0.1 / 31), (2, -0.05)),
-    Q.Q8_0: ((0, 0.1 / 127),),
-    Q.Q2_K: ((80, 0.1 / 45), (82, 0.05 / 15)),  # d * (sc <= 15) * (q <= 3) - dmin * (m <= 15)
-    Q.Q3_K: ((108, 0.1 / 128),),  # d * (sc in -32..31) * (q in -4..3)
-    Q.Q4_K: ((0, 0.1 / 945), (2, 0.05 / 63)),  # d * (sc <= 63) * (q <= 15) - dmin * (m <= 63)
-    Q.Q5_K: ((0, 0.1 / 1953), (2, 0.05 / 63)),  # q <= 31
-    Q.Q6_K: ((208, 0.1 / 4096),),  # d * (sc in -128..127) * (q in -32..31)
-}
 # Packed exactly: the file's fp16 d and m are the kernel's.
 EXACT = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0)
 
 
-def encode(shape: tuple[int, ...], qtype: Q, rng: np.random.Generator) -> np.ndarray:
-    """Random blocks of `qtype` for a weight of `shape`, as the file stores them."""
-    blocks = rng.integers(0, 256, gguf.quants.quant_shape_to_byte_shape(shape, qtype), np.uint8)
-    flat = blocks.reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1])
-    for at, size in FP16_FIELDS[qtype]:
-        values = (size * rng.uniform(0.5, 1.0, len(flat))).astype(np.float16)
-        flat[:, at : at + 2] = values[:, None].view(np.uint8)
-    if qtype == Q.Q8_0:  # llama.cpp never writes the code -128 (tinyllm reads it as -127)
-        codes = flat[:, 2:].view(np.int8)
-        codes[codes == -128] = -127
-    # Sub-blocks of 16 with scales near their super-block's largest, as a quantizer makes them
-    # from weights of one distribution: random bytes give any ratio of the two scales that share
-    # one of the kernel's groups, the worst case for rounding them to one grid.
-    if qtype == Q.Q6_K:  # int8 scales: 64..127 either sign
-        magnitudes = rng.integers(64, 128, (len(flat), 16))
-        flat[:, 192:208] = (magnitudes * rng.choice([-1, 1], magnitudes.shape)).astype(np.uint8)
-    if qtype == Q.Q3_K:  # 6-bit scales minus 32: top 2 bits 00 or 11, so |scale| >= 16
-        fields = rng.choice([0, 3], (len(flat), 4, 4)) << np.arange(0, 8, 2)
-        flat[:, 104:108] = fields.sum(-1)
-    if qtype == Q.Q2_K:  # 4-bit scales in the low nibbles: 8..15
-        flat[:, :16] = flat[:, :16] & 0xF0 | rng.integers(8, 16, (len(flat), 16))
-    return blocks
-
-
 def file_weights(qtype: Q, n: int, k: int, seed: int = 0):
     """A random tensor of `qtype`: the oracle's dense weights and tinyllm's groups of it."""
-    blocks = encode((n, k), qtype, np.random.default_rng(seed))
+    blocks = random_blocks((n, k), qtype, np.random.default_rng(seed))
     oracle = torch.from_numpy(gguf.quants.dequantize(blocks, qtype)).double()
     return oracle, groups(blocks, qtype, (n, k))
 
 
 def packing_error_bound(qtype: Q, oracle: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """What packing may change in each weight: nothing (EXACT); the fp16 rounding of d and m,
-    2^-11 of |d u| + |m| each, under 2^-9 of the largest |w| (FP16_FIELDS keeps |m| < |w|
+    2^-11 of |d u| + |m| each, under 2^-9 of the largest |w| (random_blocks keeps |m| < |w|
     max); or, rounded again to the kernel's grid, half its `step` (the group's d)."""
     if qtype in EXACT:
         return torch.zeros_like(oracle)
@@ -93,6 +57,39 @@ def test_packed_weights_are_the_files(qtype: Q):
     assert (error <= packing_error_bound(qtype, oracle, g.scale)).all(), error.max()
     if qtype in GROUP_TYPES:  # the sub-blocks of 32 as they are: no error of a grid's size
         assert error.max() < 1e-3 * oracle.abs().max()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_quantizers_write_blocks_the_library_decodes_to_the_weights(qtype: Q):
+    """tests/gguf_encoders.py's quantizers, which benchmarks/gguf_perplexity.py writes its
+    Q4_K_M file with: every weight within about one step of its sub-block's min-max grid (half
+    a step rounding, plus the grid's 6- or 8-bit scale and a search that may shrink it; a
+    misplaced field or nibble is many steps off), zeros exact, and the error at its bits among
+    the gguf package's own types."""
+    rng = np.random.default_rng(0)
+    w = (0.02 * rng.standard_normal((32, 512))).astype(np.float32)
+    w[rng.random(w.shape) < 0.01] *= 6  # outliers, as real weights have
+    w[0] = 0
+    blocks = quantize(w, qtype)
+    assert blocks.shape == gguf.quants.quant_shape_to_byte_shape(w.shape, qtype)
+    error = np.abs(gguf.quants.dequantize(blocks, qtype) - w)
+    assert (error[0] == 0).all()
+    sub = 32 if qtype == Q.Q4_K else 16
+    s = w[1:].reshape(31, -1, sub)
+    if qtype == Q.Q4_K:  # codes 0..15 from the sub-block's min (or 0) to its max
+        step = (s.max(-1) - np.minimum(s.min(-1), 0)) / 15
+    else:  # codes -32..31, the largest |w| at -32
+        step = np.abs(s).max(-1) / 32
+    assert (error[1:].reshape(s.shape) <= 1.25 * step[..., None]).all()
+    rms = {
+        t: np.sqrt(np.mean((gguf.quants.dequantize(quantize(w, t), t) - w) ** 2))
+        for t in (Q.Q4_1, Q.Q5_0, Q.Q8_0)
+    }
+    mine = np.sqrt(np.mean(error**2))
+    if qtype == Q.Q4_K:  # 4 bits, but a searched grid: under Q4_1's min-max one
+        assert mine < rms[Q.Q4_1]
+    else:
+        assert rms[Q.Q8_0] < mine < rms[Q.Q5_0]
 
 
 def check_product(qtype: Q, kernel) -> None:
@@ -172,7 +169,7 @@ def kquant_file(request, tmp_path_factory) -> tuple[Path, float]:
     }
     assert HIDDEN == HEADS * HEAD_DIM
     path = tmp_path_factory.mktemp("kquant") / f"{request.param}.gguf"
-    return write_gguf(path, weights, metadata=dims, raw=types, encode=encode), tolerance
+    return write_gguf(path, weights, metadata=dims, raw=types, encode=random_blocks), tolerance
 
 
 def tinyllm_model(path: Path, keep_stored: bool = True) -> Transformer:
@@ -245,7 +242,7 @@ def test_scales_beyond_fp16_are_refused(tmp_path: Path):
     """Q4_K's d * sc is computed in fp32: a large d times a 6-bit scale has no fp16 to pack."""
 
     def huge(shape, qtype, rng):
-        blocks = encode(shape, qtype, rng)
+        blocks = random_blocks(shape, qtype, rng)
         flat = blocks.reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1])
         flat[:, 0:2] = np.array([60000], np.float16).view(np.uint8)  # d
         flat[:, 4] = 63  # sub-block 0's scale
