@@ -54,9 +54,10 @@ class Request:
             None if params.prompt_logprobs is None else [None]
         )
         # Speculative decoding (engine/speculative.py): the draft tokens to verify in the next
-        # step after the last sampled token, and how long to wait after drafts that failed.
+        # step after the last sampled token, at most how many to draft next (0: the configured
+        # number) and how long to wait after drafts that failed.
         self.spec_token_ids: list[int] = []
-        self.spec_backoff = self.spec_wait = 0
+        self.spec_limit = self.spec_backoff = self.spec_wait = 0
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         self.finish_reason: str | None = None

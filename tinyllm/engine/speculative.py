@@ -12,12 +12,15 @@ So it is skipped when it would not pay:
 - a request the drafts do not fit: structured output (its grammar would have to advance
   through each draft and roll back) and repetition/presence/frequency penalties (they depend
   on the tokens before each position);
-- a request whose drafts were all rejected waits before it is given drafts again, twice as long
-  after each miss, up to `_MAX_BACKOFF` steps: text with nothing to find costs almost nothing;
+- a request drafts at most 2 tokens more than it last accepted (each draft costs the step
+  about what a decode row costs: docs/INFERENCE.md), and one whose drafts were all rejected
+  waits before it drafts again, twice as long after each miss, up to `_MAX_BACKOFF` steps:
+  text with nothing to find costs little;
 - a step with more than `max_batch` decoding requests: the weights are already shared by
   enough rows.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 from tinyllm.engine.config import SpeculativeConfig
@@ -35,12 +38,13 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
 
+    def __add__(self, other: "SpecStats") -> "SpecStats":
+        pairs = zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)
+        return SpecStats(*(a + b for a, b in pairs))
+
     def __sub__(self, other: "SpecStats") -> "SpecStats":
-        return SpecStats(
-            self.num_drafts - other.num_drafts,
-            self.num_draft_tokens - other.num_draft_tokens,
-            self.num_accepted_tokens - other.num_accepted_tokens,
-        )
+        pairs = zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)
+        return SpecStats(*(a - b for a, b in pairs))
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -78,13 +82,16 @@ class Speculator:
         )
         if room < 2:
             return []
-        return self.proposer.propose(request.all_token_ids, max_tokens=room - 1)
+        limit = min(room - 1, request.spec_limit or self.config.num_speculative_tokens)
+        return self.proposer.propose(request.all_token_ids, max_tokens=limit)
 
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """A verified row: count it, and back off a request whose drafts all failed."""
+        """A verified row: count it, set how many drafts the request gets next, and back off
+        one whose drafts all failed."""
         self.stats.num_drafts += 1
         self.stats.num_draft_tokens += num_drafts
         self.stats.num_accepted_tokens += num_accepted
+        request.spec_limit = num_accepted + 2
         if num_accepted:
             request.spec_backoff = 0
         else:
