@@ -136,6 +136,16 @@ class LLMEngine:
         self.grammars = StructuredOutputCompiler(tokenizer, model.config.vocab_size)
         spec = config.speculative_config
         self.speculator = None if spec is None else Speculator(spec, self.max_model_len)
+        if spec is not None:
+            log.info(
+                "speculative decoding: %s, up to %d draft tokens from n-grams of %d-%d tokens, "
+                "while at most %d requests decode",
+                spec.method,
+                spec.num_speculative_tokens,
+                spec.prompt_lookup_min,
+                spec.prompt_lookup_max,
+                spec.max_batch,
+            )
         self.requests: dict[str, Request] = {}
         # n > 1: the parent by its id and by each child's
         self.parents: dict[str, ParentRequest] = {}
