@@ -120,6 +120,8 @@ def write_gguf(
             writer.add_string(key, value)
         elif isinstance(value, float):
             writer.add_float32(key, value)
+        elif isinstance(value, list):
+            writer.add_array(key, value)
         elif value is not None:
             writer.add_uint32(key, value)
     rng = np.random.default_rng(1)

@@ -19,7 +19,7 @@ from tinyllm.loaders.hf import hf_config, hf_weights
 from tinyllm.loaders.source import (
     DEFAULT_MODEL_PACKAGE,
     default_model_path,
-    load_model,
+    open_checkpoint,
     resolve_model,
 )
 from tinyllm.model.config import ModelLoadError, UnsupportedModelError
@@ -229,22 +229,22 @@ def test_hub_id_resolves_from_offline_cache(
     (repo / "refs" / "main").write_text(commit)
 
     assert resolve_model("org/tiny") == snapshot
-    loaded = load_model("org/tiny")
+    loaded = open_checkpoint("org/tiny")
     assert loaded.name == "org/tiny" and loaded.path == snapshot
     assert loaded.config.architecture == "llama"
-    assert loaded.weights.keys() == load_file(snapshot / "model.safetensors").keys()
+    assert loaded.tensors.keys() == load_file(snapshot / "model.safetensors").keys()
     assert loaded.tokenizer.encode("w5 w7", add_special_tokens=False) == [5, 7]
     assert loaded.tokenizer.eos_token_ids == [2]
     with pytest.raises(ModelLoadError, match="'org/missing'.*hub cache"):
         resolve_model("org/missing")
 
 
-def test_load_model_hf_dir(tmp_path: Path) -> None:
+def test_open_checkpoint_hf_dir(tmp_path: Path) -> None:
     path = _save(_random_hf_model("Qwen3"), tmp_path / "qwen3-tiny", sharded=True)
     _write_tokenizer(path)
-    loaded = load_model(str(path), dtype=torch.bfloat16)
+    loaded = open_checkpoint(str(path), dtype=torch.bfloat16)
     assert (loaded.name, loaded.path, loaded.config.architecture) == ("qwen3-tiny", path, "qwen3")
-    assert {t.dtype for t in loaded.weights.values()} == {torch.bfloat16}
+    assert {t.read().dtype for t in loaded.tensors.values()} == {torch.bfloat16}
 
 
 def test_gguf_paths(tmp_path: Path) -> None:
@@ -321,9 +321,10 @@ def test_default_model_missing_says_how_to_install(monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.slow
-def test_load_model_default_gguf() -> None:
-    loaded = load_model(None, dtype=torch.bfloat16)
+def test_open_checkpoint_default_gguf() -> None:
+    loaded = open_checkpoint(None, dtype=torch.bfloat16)
     assert loaded.name == "SmolLM2-135M-Instruct.Q4_1" and loaded.path == default_model_path()
     assert loaded.config.architecture == "llama"
-    assert {t.dtype for t in loaded.weights.values() if t.is_floating_point()} == {torch.bfloat16}
+    weights = [t.read() for t in loaded.tensors.values()]
+    assert {t.dtype for t in weights if t.is_floating_point()} == {torch.bfloat16}
     assert loaded.tokenizer.decode(loaded.tokenizer.encode("Hello world")) == "Hello world"

@@ -5,23 +5,17 @@ import logging
 import time
 
 import torch
-from torch.overrides import TorchFunctionMode
 from tqdm import tqdm
 
 from tinyllm.engine.config import EngineConfig
 from tinyllm.engine.engine import LLMEngine
-from tinyllm.engine.memory import release_free_heap
 from tinyllm.engine.outputs import RequestOutput
 from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from tinyllm.engine.structured_output import StructuredOutputsParams
 from tinyllm.entrypoints.generation_config import check_generation_config, default_sampling
 from tinyllm.entrypoints.threads import set_threads, warn_if_oversubscribed
-from tinyllm.loaders.dummy import LOAD_FORMATS, load_dummy
-from tinyllm.loaders.source import load_model, open_model
+from tinyllm.loaders.model_loader import LoadConfig, load_model
 from tinyllm.model.config import ModelLoadError
-from tinyllm.model.llama import Transformer, fuse_projections
-from tinyllm.model.precision import resolve_dtype, resolve_quantization
-from tinyllm.model.quant import describe_weights, quantize_linears
 from tinyllm.text.tool_calls import parse_tool_calls
 from tinyllm.text.tool_grammar import tool_choice_grammar
 
@@ -51,19 +45,6 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
-class _SkipInit(TorchFunctionMode):
-    """Skips torch.nn.init's random initialization while the model is built on the meta
-    device: its weights come from the file. There nn.Embedding's normal_ runs through torch's
-    Python decompositions, whose first use imports torch._dynamo and sympy: about 90 MB
-    resident, and seconds of loading, for values never used."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(func, "__module__", None) == "torch.nn.init":  # init_(tensor, ...) -> tensor
-            return args[0] if args else kwargs["tensor"]
-        return func(*args, **kwargs)
-
-
 class LLM:
     def __init__(
         self,
@@ -82,44 +63,20 @@ class LLM:
         `load_format`: "dummy" builds `model` (a config.json, or a name from
         tinyllm.loaders.dummy.named_configs()) with random weights, int4 unless `quantization`
         says otherwise, and no tokenizer: for benchmarks of real shapes without downloads."""
-        if load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format={load_format!r}: choose {' or '.join(LOAD_FORMATS)}")
         dev = resolve_device(device)
         check_generation_config(generation_config)
         engine_config = EngineConfig(**engine_args)  # bad engine arguments fail before loading
+        load_config = LoadConfig(
+            model, dtype, quantization, load_format, engine_config.max_model_len
+        )
         if threads is not None:
             set_threads(threads)
         if dev.type == "cpu":
             warn_if_oversubscribed(torch.get_num_threads())
-        start = time.perf_counter()
-        dummy = load_format == "dummy"
-        files = None if dummy else open_model(model)
-        keep_stored = quantization == "auto"  # the file's own bits, not a forced width
-        # Dummy weights are made in the format they run in: int4 where the kernels run.
-        stored_bits = {4} if dummy else files.stored_bits
-        quantization, why = resolve_quantization(quantization, stored_bits, dev)
-        if dummy and keep_stored and quantization == "int4":
-            why = "dummy weights default to int4"
-        torch_dtype, why_dtype = resolve_dtype(dtype, dev)
-        dtype_name = str(torch_dtype).removeprefix("torch.")
-        log.info("dtype %s (%s), quantization %s (%s)", dtype_name, why_dtype, quantization, why)
-        if dummy:
-            loaded = load_dummy(model, quantization, torch_dtype)
-        else:
-            loaded = load_model(model, torch_dtype, quantization != "none", files)
-        with torch.device("meta"), _SkipInit():
-            net = Transformer(loaded.config)
-        params = sum(t.numel() for t in loaded.weights.values())
-        weights = fuse_projections(loaded.weights, loaded.config.num_layers)
-        loaded.weights.clear()  # `weights` holds each tensor now: freed as its layer is packed
-        dense = quantize_linears(net, weights, quantization, torch_dtype, keep_stored)
-        net.load_weights({k: v.to(dev) for k, v in dense.items()}, engine_config.max_model_len)
-        _log_loaded(loaded.name, params, net, time.perf_counter() - start)
+        loaded = load_model(load_config, dev)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
-        self.default_sampling = default_sampling(
-            generation_config, loaded.path, files.reader if files else None
-        )
+        self.default_sampling = default_sampling(generation_config, loaded.path, loaded.reader)
         try:
             self.get_default_sampling_params()
         except ValueError as e:
@@ -127,9 +84,7 @@ class LLM:
                 f"{loaded.path}: its recommended sampling settings are invalid ({e}); "
                 "use generation_config='vllm' (--generation-config vllm)"
             ) from None
-        self.engine = LLMEngine(net.eval(), loaded.tokenizer, engine_config)
-        del files, loaded, weights, dense  # the file as read: the model holds what it keeps
-        release_free_heap()
+        self.engine = LLMEngine(loaded.model, loaded.tokenizer, engine_config)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate and chat use when given no SamplingParams: the model's recommended
@@ -243,18 +198,3 @@ class LLM:
             bar.update(0)
         bar.close()
         return done
-
-
-def _log_loaded(name: str, params: int, net: torch.nn.Module, seconds: float) -> None:
-    # Parameters as the checkpoint counts them; bytes as they sit in memory (dtype, packing).
-    tensors = [*net.parameters(), *net.buffers()]
-    size = sum(t.numel() * t.element_size() for t in tensors)
-    log.info(
-        "loaded %s: %.1fM parameters, %.0f MB resident (%s) on %s, in %.1f s",
-        name,
-        params / 1e6,
-        size / 1e6,
-        describe_weights(net),
-        net.device,
-        seconds,
-    )

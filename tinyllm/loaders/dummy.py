@@ -22,7 +22,8 @@ from torch import Tensor
 
 from tinyllm.engine.memory import available_bytes
 from tinyllm.loaders.hf import hf_config
-from tinyllm.loaders.source import LoadedModel
+from tinyllm.loaders.source import Checkpoint
+from tinyllm.loaders.stored import InMemory
 from tinyllm.model.config import ModelConfig, ModelLoadError
 from tinyllm.model.quant import GROUP, GroupQuantized
 from tinyllm.text.tokenizer import Tokenizer
@@ -79,11 +80,12 @@ def dummy_config(model: str | None) -> tuple[str, Path, ModelConfig]:
     return (model if model in names else folder.resolve().name), folder, config
 
 
-def load_dummy(model: str | None, quantization: str, dtype: torch.dtype) -> LoadedModel:
-    """The model `model` configures, with random weights in `quantization`'s format."""
+def load_dummy(model: str | None, quantization: str, dtype: torch.dtype) -> Checkpoint:
+    """The model `model` configures, with random weights in `quantization`'s format (the whole
+    model's: a tensor-parallel rank keeps its shards of them)."""
     name, folder, config = dummy_config(model)
-    weights = dummy_weights(config, quantization, dtype)
-    return LoadedModel(name, folder, config, weights, IdsOnlyTokenizer(config.vocab_size))
+    tensors = {k: InMemory(w) for k, w in dummy_weights(config, quantization, dtype).items()}
+    return Checkpoint(name, folder, config, tensors, IdsOnlyTokenizer(config.vocab_size))
 
 
 def _linear_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:

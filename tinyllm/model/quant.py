@@ -44,6 +44,20 @@ class GroupQuantized:
         """The same weight with its output rows rearranged by `fn` (a row permutation)."""
         return GroupQuantized(fn(self.q), fn(self.scale), fn(self.zero), self.bits)
 
+    def columns(self, cols: slice) -> "GroupQuantized":
+        """The weight's input columns `cols` (a step-1 slice starting and stopping on group
+        boundaries): whole groups, with their scales, copied out contiguous as pack needs."""
+        k = range(self.q.shape[1])[cols]
+        if len(k) == self.q.shape[1]:
+            return self
+        groups = slice(k.start // GROUP, k.stop // GROUP)
+        return GroupQuantized(
+            self.q[:, k.start : k.stop].contiguous(),
+            self.scale[:, groups].contiguous(),
+            self.zero[:, groups].contiguous(),
+            self.bits,
+        )
+
     def widened(self) -> "GroupQuantized":
         """4-bit groups as 8-bit ones: u + 1 and m - d, exact up to the fp16 rounding of m - d
         (the 1 keeps codes off 0, see pack)."""
