@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.gguf_encoders import random_blocks
 from tests.test_gguf_loader import LAYERS, VOCAB, write_gguf
 from tests.test_hf_loader import _write_tokenizer
-from tests.test_kquant import encode
 from tinyllm.loaders.gguf import gguf_config, gguf_tensors
 from tinyllm.loaders.model_loader import LoadConfig, load_model
 from tinyllm.loaders.sharding import Shard, param_loader
@@ -101,7 +101,7 @@ def gguf_file(folder: Path, dims: dict, types: dict[str, Q]) -> Path:
         "tokenizer.ggml.tokens": [f"t{i}" for i in range(VOCAB)],
     }
     weights = random_llama(**dims)
-    return write_gguf(folder / "m.gguf", weights, metadata=metadata, raw=raw, encode=encode)
+    return write_gguf(folder / "m.gguf", weights, metadata=metadata, raw=raw, encode=random_blocks)
 
 
 # Heads, KV heads and FFN width divide by 4, and each rank's share of o_proj's and down_proj's
