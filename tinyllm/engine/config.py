@@ -18,6 +18,9 @@ class EngineConfig:
     # paged cache only (the slot baseline has no full blocks to share).
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # see tinyllm.model.attention.BACKENDS
+    # How the decoder layers run: "fused" (C++ ops, CPU), "modules" or "auto"; see
+    # tinyllm.engine.layer_executor
+    layer_executor: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -96,6 +96,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="auto: the in-place kernel for the device, else the reference gather + SDPA",
     )
     p.add_argument(
+        "--layer-executor",
+        default="auto",
+        choices=["auto", "fused", "modules"],
+        help="how decoder layers run: fused: two C++ ops per layer (CPU, the cpu attention "
+        "backend, float32/bfloat16); modules: one module call per step (any device); auto: "
+        "fused where it can run",
+    )
+    p.add_argument(
         "--generation-config",
         default="auto",
         choices=GENERATION_CONFIGS,
@@ -132,6 +140,7 @@ def build_llm(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
         attention_backend=args.attention_backend,
+        layer_executor=args.layer_executor,
     )
 
 
