@@ -285,27 +285,26 @@ def test_attention_refuses(what):
         attend(*args)
 
 
-# decoder_layer
+# decoder_attention, decoder_mlp: a layer's halves
 
 
-def layer_args(model, tokens: int) -> dict:
-    """decoder_layer's arguments for a step of `tokens` new tokens of one row, all in the
-    caches' block 0 onwards."""
+def layer_args(model, tokens: int) -> tuple[dict, dict]:
+    """decoder_attention's and decoder_mlp's arguments for a step of `tokens` new tokens of one
+    row, all in the caches' block 0 onwards."""
     layer, c = model.model.layers[0], model.config
-    weights, bias, q_norm, k_norm, heads, kv_heads, inter, eps, scale = layer.native_args
+    weights, bias, q_norm, k_norm, heads, kv_heads, eps, scale = layer.attention_args
+    mlp_weights, inter, _ = layer.mlp_args
     blocks = max(1, -(-tokens // BLOCK))
     rows = 1 if tokens else 0
     gen = torch.Generator().manual_seed(tokens)
     cache = (blocks + 1, BLOCK, kv_heads, c.head_dim)
-    return dict(
-        residual=torch.randn(tokens, c.hidden_size, generator=gen).to(model.dtype),
+    residual = torch.randn(tokens, c.hidden_size, generator=gen).to(model.dtype)
+    attention = dict(
+        hidden=torch.randn(tokens, c.hidden_size, generator=gen).to(model.dtype),
+        residual=residual,
         positions=torch.arange(tokens),
         cos=model.rope.cos,
         sin=model.rope.sin,
-        weights=weights,
-        qkv_bias=bias,
-        q_norm=q_norm,
-        k_norm=k_norm,
         k_cache=torch.randn(cache, generator=gen).to(model.dtype),
         v_cache=torch.randn(cache, generator=gen).to(model.dtype),
         slot_mapping=torch.arange(tokens),
@@ -313,12 +312,18 @@ def layer_args(model, tokens: int) -> dict:
         seq_lens=torch.tensor([tokens] * rows, dtype=torch.long),
         query_start_loc=torch.tensor([0, tokens][: rows + 1]),
         num_rows=rows,
+        weights=weights,
+        qkv_bias=bias,
+        q_norm=q_norm,
+        k_norm=k_norm,
         heads=heads,
         kv_heads=kv_heads,
-        intermediate=inter,
         eps=eps,
         scale=scale,
     )
+    o = torch.randn(tokens, c.hidden_size, generator=gen).to(model.dtype)
+    mlp = dict(o=o, residual=residual, weights=mlp_weights, intermediate=inter, eps=eps)
+    return attention, mlp
 
 
 @pytest.fixture(scope="module", params=["none", "int4"])
@@ -327,26 +332,46 @@ def model(request):
 
 
 def test_a_layer_over_no_tokens_changes_nothing(model):
-    args = layer_args(model, 0)
-    before = {k: args[k].clone() for k in ("residual", "k_cache", "v_cache")}
-    ops.decoder_layer(**args)
+    attention, mlp = layer_args(model, 0)
+    before = {k: attention[k].clone() for k in ("residual", "k_cache", "v_cache")}
+    assert ops.decoder_attention(**attention).shape == (0, model.config.hidden_size)
+    assert ops.decoder_mlp(**mlp).shape == (0, model.config.hidden_size)
     for name, tensor in before.items():
-        assert torch.equal(args[name], tensor), name
+        assert torch.equal(attention[name], tensor), name
 
 
 @pytest.mark.parametrize(
     "change,message",
     [
-        (dict(heads=0), "decoder_layer: heads 0, kv_heads 2 and intermediate 80 must be >= 1"),
-        (dict(k_cache=torch.zeros(3, 4, 2)), r"decoder_layer: k_cache \[3, 4, 2\] must be"),
-        (dict(residual=torch.zeros(5, 64).T), r"decoder_layer: residual \[64, 5\] must be"),
+        (dict(heads=0), "decoder_attention: heads 0 and kv_heads 2 must be >= 1"),
+        (dict(k_cache=torch.zeros(3, 4, 2)), r"decoder_attention: k_cache \[3, 4, 2\] must be"),
+        (dict(residual=torch.zeros(5, 64).T), r"decoder_attention: residual \[64, 5\] must be"),
+        (
+            dict(hidden=torch.zeros(4, 64)),
+            r"decoder_attention: hidden \[4, 64\] must be residual's",
+        ),
         (dict(positions=torch.arange(4)), r"rotary: positions \[4\] must be \[5\]"),
-        (dict(intermediate=96), "(linear: dense weight|quant_linear: packed weights)"),
         (dict(qkv_bias=torch.zeros(7)), r"linear: bias \[7\] must be \[128\], one per output"),
     ],
-    ids=["heads", "cache", "residual", "positions", "intermediate", "bias"],
+    ids=["heads", "cache", "residual", "hidden", "positions", "bias"],
 )
-def test_a_layer_refuses(model, change, message):
-    args = layer_args(model, 5) | change
+def test_attention_half_refuses(model, change, message):
+    attention, _ = layer_args(model, 5)
     with pytest.raises(RuntimeError, match=message):
-        ops.decoder_layer(**args)
+        ops.decoder_attention(**attention | change)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(intermediate=0), "decoder_mlp: intermediate 0 must be >= 1"),
+        (dict(intermediate=96), "(linear: dense weight|quant_linear: packed weights)"),
+        (dict(residual=torch.zeros(5, 64).T), r"decoder_mlp: residual \[64, 5\] must be"),
+        (dict(o=torch.zeros(4, 64)), r"decoder_mlp: o \[4, 64\] must be residual's \[5, 64\]"),
+    ],
+    ids=["zero", "intermediate", "residual", "o"],
+)
+def test_mlp_half_refuses(model, change, message):
+    _, mlp = layer_args(model, 5)
+    with pytest.raises(RuntimeError, match=message):
+        ops.decoder_mlp(**mlp | change)

@@ -1,8 +1,9 @@
-"""A whole decoder layer as one C++ op (DecoderLayer.forward_native, model/decoder_layer.cpp)
-against the model's own modules on the same kernels, over engine-like steps: prefills, a
-prompt in two chunks, decodes after them, in each weight format and dtype and for each family's
-layer (Qwen2's q/k/v bias, Qwen3's per-head q/k norms). test_hf_loader compares both paths with
-transformers on whole prompts."""
+"""A decoder layer as C++ ops (the "fused" layer executor: DecoderLayer.forward_fused,
+model/decoder_layer.cpp) against the model's own modules (the "modules" executor) on the same
+kernels, over engine-like steps: prefills, a prompt in two chunks, decodes after them, in each
+weight format and dtype and for each family's layer (Qwen2's q/k/v bias, Qwen3's per-head q/k
+norms). test_hf_loader compares both paths with transformers on whole prompts;
+test_layer_executor tests the choice between them."""
 
 import pytest
 import torch
@@ -46,10 +47,10 @@ PROMPTS = [[5, 9, 3, 7, 2, 8, 1], [4, 4, 6, 10, 11, 12, 13, 14, 15], [20, 21, 22
 STEPS = [[(0, 7), (1, 5)], [(0, 1), (1, 4), (2, 3)], [(0, 1), (1, 1), (2, 1)]]
 
 
-def _run(model: llama.Transformer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _run(model: llama.Transformer, executor: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The final hidden states of each step, and the K/V caches after the last."""
     kv = KVCacheManager(16, BLOCK)
-    runner = ModelRunner(model, kv.num_blocks, BLOCK, get_backend("cpu", model.device))
+    runner = ModelRunner(model, kv.num_blocks, BLOCK, get_backend("cpu", model.device), executor)
     for cache in (c for pair in runner.kv_caches for c in pair):
         cache.zero_()  # the pool is not zeroed: slots never written would differ between runs
     requests = [
@@ -83,12 +84,11 @@ def _run(model: llama.Transformer) -> tuple[list[torch.Tensor], list[torch.Tenso
     ],
 )
 @pytest.mark.parametrize("family", FAMILIES)
-def test_native_layers_match_the_modules(family, quantization, dtype, monkeypatch):
+def test_fused_layers_match_the_modules(family, quantization, dtype):
     dtype = getattr(torch, dtype)
     model = _model(family, quantization, dtype)
-    native, native_kv = _run(model)
-    monkeypatch.setattr(llama, "_runs_native", lambda h, ctx: False)
-    modules, modules_kv = _run(model)
+    native, native_kv = _run(model, "fused")
+    modules, modules_kv = _run(model, "modules")
     assert modules[0].float().std() > 0.5  # not a comparison of near-zero tensors
     # The same kernels in the same order; only Qwen3's head norms differ (C++ against torch's
     # fallback for strided heads), by rounding, which can move a quantized activation's code.
@@ -98,30 +98,15 @@ def test_native_layers_match_the_modules(family, quantization, dtype, monkeypatc
         torch.testing.assert_close(ours, theirs, rtol=tol, atol=tol)
 
 
-def test_other_backends_run_the_modules(monkeypatch):
-    """With the reference backend (or a dtype the C++ ops do not take) the layers run as
-    modules; forward_native is for the CPU backend's kernels only."""
-    model = _model("llama", "none", torch.float32)
-    monkeypatch.setattr(llama.DecoderLayer, "forward_native", None)  # calling it would fail
-    kv = KVCacheManager(4, BLOCK)
-    runner = ModelRunner(model, kv.num_blocks, BLOCK, get_backend("reference", model.device))
-    r = Request("0", PROMPTS[0], SamplingParams(max_tokens=1), 1, [], seed=0)
-    assert kv.allocate(r, r.num_tokens)
-    batch = runner.prepare_inputs([(r, r.num_tokens)])
-    assert model(batch.input_ids, batch.positions, batch.ctx).shape == (7, 64)
-
-
 def test_a_bad_weight_list_is_an_error_not_a_crash():
     model = _model("llama", "int4", torch.float32)
     layer = model.model.layers[0]
-    weights, *rest = layer.native_args
-    layer.native_args = (weights[:5], *rest)
+    weights, *rest = layer.attention_args
+    layer.attention_args = (weights[:2], *rest)
     kv = KVCacheManager(4, BLOCK)
-    runner = ModelRunner(model, kv.num_blocks, BLOCK, get_backend("cpu", model.device))
-    for cache in (c for pair in runner.kv_caches for c in pair):
-        cache.zero_()  # the pool is not zeroed: slots never written would differ between runs
+    runner = ModelRunner(model, kv.num_blocks, BLOCK, get_backend("cpu", model.device), "fused")
     r = Request("0", PROMPTS[0], SamplingParams(max_tokens=1), 1, [], seed=0)
     assert kv.allocate(r, r.num_tokens)
     batch = runner.prepare_inputs([(r, r.num_tokens)])
-    with pytest.raises(RuntimeError, match="6 weights, not 5"):
+    with pytest.raises(RuntimeError, match="decoder_attention: 3 weights, not 2"):
         model(batch.input_ids, batch.positions, batch.ctx)

@@ -74,6 +74,9 @@ class EngineConfig:
     # paged cache only (the slot baseline has no full blocks to share).
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # see tinyllm.model.attention.BACKENDS
+    # How the decoder layers run: "fused" (C++ ops, CPU), "modules" or "auto"; see
+    # tinyllm.engine.layer_executor
+    layer_executor: str = "auto"
     seed: int = 0
     # Speculative decoding (engine/speculative.py): vLLM's dict, e.g. {"method": "ngram",
     # "num_speculative_tokens": 5}, its JSON text, or a SpeculativeConfig; None: off.

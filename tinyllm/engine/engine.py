@@ -130,7 +130,9 @@ class LLMEngine:
             self.max_model_len = self.kv.capacity_tokens
             self._context_is = "max_model_len, cut to what the KV cache holds"
         backend = get_backend(config.attention_backend, model.device)
-        self.runner = ModelRunner(model, self.kv.num_blocks, self.kv.block_size, backend)
+        self.runner = ModelRunner(
+            model, self.kv.num_blocks, self.kv.block_size, backend, config.layer_executor
+        )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.output_processor = OutputProcessor(tokenizer)
         self.grammars = StructuredOutputCompiler(tokenizer, model.config.vocab_size)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tinyllm.engine.layer_executor import choose_layer_executor
 from tinyllm.engine.logprobs import token_logprobs
 from tinyllm.engine.outputs import TokenLogprob
 from tinyllm.engine.request import Request
@@ -48,9 +49,16 @@ def kv_bytes_per_token(model: Transformer) -> int:
 
 class ModelRunner:
     def __init__(
-        self, model: Transformer, num_blocks: int, block_size: int, backend: AttentionBackend
+        self,
+        model: Transformer,
+        num_blocks: int,
+        block_size: int,
+        backend: AttentionBackend,
+        layer_executor: str = "auto",
     ):
+        """`layer_executor`: how the layers run (tinyllm.engine.layer_executor), decided here."""
         self.model, self.backend, self.block_size = model, backend, block_size
+        self.fused_layers = choose_layer_executor(layer_executor, model, backend) == "fused"
         c = model.config
         self.device = model.device
         self.scratch = num_blocks
@@ -135,7 +143,7 @@ class ModelRunner:
             rows=rows,
             input_ids=self._tensor(ids),
             positions=self._tensor(positions),
-            ctx=ForwardContext(meta, self.backend, self.kv_caches),
+            ctx=ForwardContext(meta, self.backend, self.kv_caches, self.fused_layers),
             sampling=sampling,
             drafts=drafts,
             logits_indices=self._tensor(last),

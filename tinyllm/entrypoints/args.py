@@ -112,9 +112,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="JSON",
         help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '
-        '"num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\': '
-        "draft tokens looked up in the context, verified in one pass; the same greedy "
-        "tokens, faster where the answer repeats its context (default: off)",
+        '"num_speculative_tokens": 6, "prompt_lookup_min": 1, "prompt_lookup_max": 5}\' '
+        "(those are the defaults): draft tokens looked up in the context, verified in one "
+        "pass; the same greedy tokens, faster where the answer repeats its context "
+        "(default: off)",
+    )
+    p.add_argument(
+        "--layer-executor",
+        default="auto",
+        choices=["auto", "fused", "modules"],
+        help="how decoder layers run: fused: two C++ ops per layer (CPU, the cpu attention "
+        "backend, float32/bfloat16); modules: one module call per step (any device); auto: "
+        "fused where it can run",
     )
     p.add_argument(
         "--generation-config",
@@ -154,6 +163,7 @@ def build_llm(args: argparse.Namespace):
         enable_prefix_caching=args.enable_prefix_caching,
         attention_backend=args.attention_backend,
         speculative_config=args.speculative_config,
+        layer_executor=args.layer_executor,
     )
 
 

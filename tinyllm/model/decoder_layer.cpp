@@ -1,13 +1,16 @@
-// A whole decoder layer on the CPU as one op: the same steps as llama.py's DecoderLayer, from the
-// same kernels, without going back to Python between them.
+// A decoder layer on the CPU as two ops, its attention and its MLP: the same steps as llama.py's
+// DecoderLayer, from the same kernels, without going back to Python between them.
 //
 // At one decode row of a small model, a step's time is mostly not arithmetic: each of a layer's
 // ten or so ops costs a Python module call, a trip through torch's dispatcher and a fresh
 // tensor, about 5 us each: for the default model's 30 layers in 4 bits, 2 of the 5.3 ms that
 // the forward pass took.
 //
-// The residual stream is updated in place: residual += attention(RMSNorm(residual)), then
-// residual += MLP(RMSNorm(residual)), each sum rounded to the dtype as the unfused add rounds it.
+// The layer is split where tensor parallelism all-reduces: each op returns its last
+// projection's output (o_proj's, down_proj's) before it is added to the residual stream, so a
+// sum over ranks fits between them. Each add is then done by the next op, fused into its norm
+// as the modules' path fuses it: residual += the sublayer's output, rounded to the dtype as the
+// unfused add rounds it, in place.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -26,34 +29,49 @@ void norm_heads(const at::Tensor& heads, const at::Tensor& weight, double eps) {
   heads.copy_(h);
 }
 
-// weights: input_layernorm, qkv_proj, o_proj, post_attention_layernorm, gate_up_proj,
-// down_proj; a projection is a dense weight or QuantLinear's packed records (cpu_ops.h linear).
-// The K/V cache and the step's metadata are what attention/cpu.py passes the same kernel.
-void decoder_layer(const at::Tensor& residual, const at::Tensor& positions, const at::Tensor& cos,
-                   const at::Tensor& sin, at::TensorList weights,
-                   const std::optional<at::Tensor>& qkv_bias,
-                   const std::optional<at::Tensor>& q_norm,
-                   const std::optional<at::Tensor>& k_norm, const at::Tensor& k_cache,
-                   const at::Tensor& v_cache, const at::Tensor& slot_mapping,
-                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                   const at::Tensor& query_start_loc, int64_t num_rows, int64_t heads,
-                   int64_t kv_heads, int64_t intermediate, double eps, double scale) {
-  TORCH_CHECK(weights.size() == 6, "decoder_layer: 6 weights, not ", weights.size());
-  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), "decoder_layer: residual ",
+// The residual stream, and the last sublayer's output to add into it (when there is one).
+void check_residual(const char* op, const at::Tensor& residual, const char* name,
+                    const std::optional<at::Tensor>& add) {
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), op, ": residual ",
               residual.sizes(), " must be a contiguous (tokens, hidden) matrix");
-  TORCH_CHECK(k_cache.dim() == 4, "decoder_layer: k_cache ", k_cache.sizes(),
+  TORCH_CHECK(!add || add->sizes() == residual.sizes(), op, ": ", name, " ", add->sizes(),
+              " must be residual's ", residual.sizes());
+}
+
+// residual += hidden (when given; the first layer has nothing to add), then o_proj(attention(
+// RMSNorm(residual))), returned. weights: input_layernorm, qkv_proj, o_proj; a projection is a
+// dense weight or QuantLinear's packed records (cpu_ops.h linear). The K/V cache and the step's
+// metadata are what attention/cpu.py passes the same kernel. The step's arguments come first,
+// the layer's own (weights, sizes) last: the model gathers those once.
+at::Tensor decoder_attention(const std::optional<at::Tensor>& hidden, const at::Tensor& residual,
+                             const at::Tensor& positions, const at::Tensor& cos,
+                             const at::Tensor& sin, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                             const at::Tensor& query_start_loc, int64_t num_rows,
+                             at::TensorList weights, const std::optional<at::Tensor>& qkv_bias,
+                             const std::optional<at::Tensor>& q_norm,
+                             const std::optional<at::Tensor>& k_norm, int64_t heads,
+                             int64_t kv_heads, double eps, double scale) {
+  TORCH_CHECK(weights.size() == 3, "decoder_attention: 3 weights, not ", weights.size());
+  check_residual("decoder_attention", residual, "hidden", hidden);
+  TORCH_CHECK(k_cache.dim() == 4, "decoder_attention: k_cache ", k_cache.sizes(),
               " must be (blocks, block_size, kv_heads, head_dim)");
-  TORCH_CHECK(heads > 0 && kv_heads > 0 && intermediate > 0, "decoder_layer: heads ", heads,
-              ", kv_heads ", kv_heads, " and intermediate ", intermediate, " must be >= 1");
-  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "decoder_layer: q_norm and k_norm together");
+  TORCH_CHECK(heads > 0 && kv_heads > 0, "decoder_attention: heads ", heads, " and kv_heads ",
+              kv_heads, " must be >= 1");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(),
+              "decoder_attention: q_norm and k_norm together");
   const at::Tensor &input_norm = weights[0], &qkv_w = weights[1], &o_w = weights[2];
-  const at::Tensor &post_norm = weights[3], &gate_up_w = weights[4], &down_w = weights[5];
   // The ops below check the rest: each weight against its input, the K/V heads against the
   // caches, the step's metadata against q's tokens. A step of no tokens does no work in them.
-  const int64_t n = residual.size(0), hidden = residual.size(1), dim = k_cache.size(3);
+  const int64_t n = residual.size(0), hidden_size = residual.size(1), dim = k_cache.size(3);
 
   at::Tensor x = at::empty_like(residual);
-  tinyllm::rms_norm(x, residual, std::nullopt, input_norm, eps);
+  if (hidden) {
+    tinyllm::rms_norm(x, *hidden, residual, input_norm, eps);  // residual += hidden, x = its norm
+  } else {
+    tinyllm::rms_norm(x, residual, std::nullopt, input_norm, eps);
+  }
   at::Tensor qkv = tinyllm::linear(x, qkv_w, qkv_bias, (heads + 2 * kv_heads) * dim);
   at::Tensor split = qkv.view({n, heads + 2 * kv_heads, dim});
   at::Tensor q = split.narrow(1, 0, heads), k = split.narrow(1, heads, kv_heads);
@@ -66,23 +84,39 @@ void decoder_layer(const at::Tensor& residual, const at::Tensor& positions, cons
   at::Tensor attn = at::empty({n, heads, dim}, residual.options());
   tinyllm::paged_attention(attn, q, k_cache, v_cache, k, v, slot_mapping, block_tables, seq_lens,
                            query_start_loc, num_rows, scale);
-  at::Tensor o = tinyllm::linear(attn.view({n, heads * dim}), o_w, std::nullopt, hidden);
+  return tinyllm::linear(attn.view({n, heads * dim}), o_w, std::nullopt, hidden_size);
+}
 
+// residual += o, then down_proj(silu_and_mul(gate_up_proj(RMSNorm(residual)))), returned.
+// weights: post_attention_layernorm, gate_up_proj, down_proj.
+at::Tensor decoder_mlp(const at::Tensor& o, const at::Tensor& residual, at::TensorList weights,
+                       int64_t intermediate, double eps) {
+  TORCH_CHECK(weights.size() == 3, "decoder_mlp: 3 weights, not ", weights.size());
+  check_residual("decoder_mlp", residual, "o", o);
+  TORCH_CHECK(intermediate > 0, "decoder_mlp: intermediate ", intermediate, " must be >= 1");
+  const at::Tensor &post_norm = weights[0], &gate_up_w = weights[1], &down_w = weights[2];
+  const int64_t n = residual.size(0), hidden_size = residual.size(1);
+
+  at::Tensor x = at::empty_like(residual);
   tinyllm::rms_norm(x, o, residual, post_norm, eps);  // residual += o, x = its norm
   at::Tensor gate_up = tinyllm::linear(x, gate_up_w, std::nullopt, 2 * intermediate);
   at::Tensor act = at::empty({n, intermediate}, residual.options());
   tinyllm::silu_and_mul(act, gate_up);
-  residual.add_(tinyllm::linear(act, down_w, std::nullopt, hidden));
+  return tinyllm::linear(act, down_w, std::nullopt, hidden_size);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tinyllm, m) {
   m.def(
-      "decoder_layer(Tensor(a!) residual, Tensor positions, Tensor cos, Tensor sin, "
-      "Tensor[] weights, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, Tensor(b!) k_cache, "
-      "Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
-      "Tensor query_start_loc, int num_rows, int heads, int kv_heads, int intermediate, "
-      "float eps, float scale) -> ()",
-      &decoder_layer);
+      "decoder_attention(Tensor? hidden, Tensor(a!) residual, Tensor positions, Tensor cos, "
+      "Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int num_rows, "
+      "Tensor[] weights, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, int heads, "
+      "int kv_heads, float eps, float scale) -> Tensor",
+      &decoder_attention);
+  m.def(
+      "decoder_mlp(Tensor o, Tensor(a!) residual, Tensor[] weights, int intermediate, float eps) "
+      "-> Tensor",
+      &decoder_mlp);
 }

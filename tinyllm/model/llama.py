@@ -5,8 +5,9 @@ gate/up into one matrix product each as it loads them (fuse_projections), as vLL
 checkpoints store them stacked already, under the model's own names.
 The model knows nothing about scheduling or memory: it runs one flat batch of tokens,
 `forward(input_ids, positions, ctx)`, where `ctx` (built once per step by the model runner)
-carries the attention metadata, the attention backend and each layer's K/V cache. Every token
-of every request in the step goes through the linear layers as one (N, hidden) matrix; only
+carries the attention metadata, the attention backend, each layer's K/V cache and whether the
+layers run as modules or as C++ ops (the runner's choice: tinyllm.engine.layer_executor). Every
+token of every request in the step goes through the linear layers as one (N, hidden) matrix; only
 attention needs to know which tokens belong together, and the backend reads that from the
 metadata.
 """
@@ -140,44 +141,38 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(c, layer)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
-        self.native_args: tuple = ()  # forward_native's weights, once loaded
+        # forward_fused's arguments after the step's, once loaded: attention's and the MLP's
+        self.attention_args: tuple = ()
+        self.mlp_args: tuple = ()
 
-    def load_native_args(self) -> None:
-        """The weights as torch.ops.tinyllm.decoder_layer takes them, gathered once: at one
-        decode row, walking the submodules for them every step is a cost of its own."""
+    def load_fused_args(self) -> None:
+        """The weights as the C++ ops take them, gathered once: at one decode row, walking the
+        submodules for them every step is a cost of its own."""
         a, mlp, c = self.self_attn, self.mlp, self.config
-        weights = [
-            self.input_layernorm.weight,
-            _weight(a.qkv_proj),
-            _weight(a.o_proj),
-            self.post_attention_layernorm.weight,
-            _weight(mlp.gate_up_proj),
-            _weight(mlp.down_proj),
-        ]
         norms = (None, None) if a.q_norm is None else (a.q_norm.weight, a.k_norm.weight)
-        self.native_args = (
-            weights,
-            a.qkv_proj.bias,
-            *norms,
-            c.num_heads,
-            c.num_kv_heads,
-            c.intermediate_size,
-            c.rms_norm_eps,
-            a.scale,
-        )
+        eps = c.rms_norm_eps
+        weights = [self.input_layernorm.weight, _weight(a.qkv_proj), _weight(a.o_proj)]
+        heads = (c.num_heads, c.num_kv_heads)
+        self.attention_args = (weights, a.qkv_proj.bias, *norms, *heads, eps, a.scale)
+        weights = [self.post_attention_layernorm.weight, _weight(mlp.gate_up_proj)]
+        self.mlp_args = ([*weights, _weight(mlp.down_proj)], c.intermediate_size, eps)
 
-    def forward_native(self, residual: Tensor, positions: Tensor, rope: Rope, ctx) -> None:
-        """The whole layer as one C++ op (model/decoder_layer.cpp), the same steps as `forward`
-        from the same kernels as the CPU attention backend's: residual += each sublayer's
-        output, in place."""
-        weights, bias, q_norm, k_norm, heads, kv_heads, inter, eps, scale = self.native_args
+    def forward_fused(
+        self, x: Tensor, residual: Tensor | None, positions: Tensor, rope: Rope, ctx
+    ) -> tuple[Tensor, Tensor]:
+        """`forward` as two C++ ops (model/decoder_layer.cpp), attention and MLP, from the same
+        kernels as the CPU attention backend's. Each returns its last projection's output
+        before the residual add (where tensor parallelism all-reduces); the next op, or the
+        final norm, does the add, into `residual`'s memory."""
+        if residual is None:
+            residual, x = x.contiguous(), None
         k_cache, v_cache = ctx.kv_caches[self.layer]
         m = ctx.meta
-        torch.ops.tinyllm.decoder_layer(
-            residual, positions, rope.cos, rope.sin, weights, bias, q_norm, k_norm,
-            k_cache, v_cache, m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc,
-            m.num_rows, heads, kv_heads, inter, eps, scale,
+        o = torch.ops.tinyllm.decoder_attention(
+            x, residual, positions, rope.cos, rope.sin, k_cache, v_cache, m.slot_mapping,
+            m.block_tables, m.seq_lens, m.query_start_loc, m.num_rows, *self.attention_args,
         )  # fmt: skip
+        return torch.ops.tinyllm.decoder_mlp(o, residual, *self.mlp_args), residual
 
     def forward(
         self, x: Tensor, residual: Tensor | None, positions: Tensor, rope: Rope, ctx
@@ -224,14 +219,6 @@ def fuse_projections(state_dict: dict, num_layers: int) -> dict:
     return fused
 
 
-def _runs_native(h: Tensor, ctx: ForwardContext) -> bool:
-    """Whether the layers run as C++ ops (DecoderLayer.forward_native): with the CPU attention
-    backend, whose kernel the op calls, on activations and a K/V cache its kernels take."""
-    return (
-        ctx.backend.name == "cpu" and layer_ops.native(h) and ctx.kv_caches[0][0].dtype == h.dtype
-    )
-
-
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -271,20 +258,16 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = Rope(self.config, self.device, context)
         for layer in self.model.layers:
-            layer.load_native_args()
+            layer.load_fused_args()
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
         """input_ids, positions (N,) -> final hidden states (N, hidden); logits are a separate
         step so that only the positions that sample are projected onto the vocabulary."""
         h, residual = self.model.embed_tokens(input_ids), None
-        if _runs_native(h, ctx):
-            residual = h.contiguous()
-            for layer in self.model.layers:
-                layer.forward_native(residual, positions, self.rope, ctx)
-            return self.model.norm(residual)
         for layer in self.model.layers:
-            h, residual = layer(h, residual, positions, self.rope, ctx)
+            run = layer.forward_fused if ctx.fused_layers else layer
+            h, residual = run(h, residual, positions, self.rope, ctx)
         return self.model.norm(h, residual)[0]
 
     @torch.inference_mode()

@@ -36,10 +36,10 @@ def _kernel() -> Callable[..., None]:
 
 class CPUBackend(AttentionBackend):
     """Every row, decode and prefill alike, in the kernel, for fp32 and bf16 (q and both caches
-    of one dtype); anything else goes to the reference backend. On those dtypes the model runs
-    whole layers as one op (model/decoder_layer.cpp) that calls the same kernel and lets it
-    write the step's new K/V too; this backend is what selects that path, and the kernel's
-    entry for the modules' path and the tests."""
+    of one dtype); anything else goes to the reference backend. On those dtypes the layers
+    may run as C++ ops (model/decoder_layer.cpp) that call the same kernel and let it write the
+    step's new K/V too: only with this backend (tinyllm.engine.layer_executor), which is the
+    kernel's entry for the modules' path and the tests."""
 
     name = "cpu"
 

@@ -1,0 +1,60 @@
+"""Which code runs the decoder layers, chosen once when the model runner is built.
+
+- "fused": each layer as two C++ ops (model/decoder_layer.cpp, DecoderLayer.forward_fused), its
+  attention and its MLP, split where tensor parallelism all-reduces. At one decode row a
+  step's time is mostly calls, not arithmetic, and this path makes two per layer instead of
+  about twenty. The ops call the CPU attention backend's kernel themselves, so they run only
+  with that backend: on the CPU, with fp32 or bf16 activations, where tinyllm's C++ library
+  built (the backend exists only there).
+- "modules": DecoderLayer.forward, a module call per step: any device, backend and dtype. The
+  same kernels where the library built, so the tests use it as the fused ops' oracle.
+- "auto": "fused" where it can run, else "modules"; the log says which and why.
+
+vLLM has no such option (its layers are always modules, with custom ops inside): it is tinyllm's
+own, the way its CPU path runs a layer without going back to Python between the steps.
+"""
+
+import logging
+
+from tinyllm.model.attention import AttentionBackend
+from tinyllm.model.attention.cpu import CPUBackend
+from tinyllm.model.layer_ops import NATIVE_DTYPES
+from tinyllm.model.llama import Transformer
+
+log = logging.getLogger("tinyllm")
+
+LAYER_EXECUTORS = ("auto", "fused", "modules")
+
+
+def why_not_fused(model: Transformer, backend: AttentionBackend) -> str | None:
+    """Why the fused ops cannot run this model with this backend, or None if they can."""
+    if model.device.type != "cpu":
+        return f"the model is on {model.device.type}, and the fused ops are CPU code"
+    if not isinstance(backend, CPUBackend):
+        return f"the {backend.name} attention backend (the fused ops run the cpu backend's kernel)"
+    if model.dtype not in NATIVE_DTYPES:
+        dtype = str(model.dtype).removeprefix("torch.")
+        return f"{dtype} activations (the fused ops take float32 and bfloat16)"
+    return None
+
+
+def choose_layer_executor(requested: str, model: Transformer, backend: AttentionBackend) -> str:
+    """ "fused" or "modules" for `requested` (one of LAYER_EXECUTORS), logged with why. Asking
+    for "fused" where it cannot run is a ValueError that says why."""
+    if requested not in LAYER_EXECUTORS:
+        raise ValueError(
+            f"layer_executor={requested!r}: choose one of {', '.join(LAYER_EXECUTORS)}"
+        )
+    why_not = why_not_fused(model, backend)
+    if requested == "fused" and why_not is not None:
+        raise ValueError(
+            f"layer_executor='fused' cannot run here: {why_not}; use 'auto' or 'modules'"
+        )
+    if requested != "auto":
+        chosen, why = requested, "as asked"
+    elif why_not is None:
+        chosen, why = "fused", "each layer as two C++ ops with the cpu attention backend's kernel"
+    else:
+        chosen, why = "modules", why_not
+    log.info("layer executor: %s (%s)", chosen, why)
+    return chosen
