@@ -11,7 +11,7 @@ class SpeculativeConfig:
     method "ngram" (prompt lookup) is the one there is."""
 
     # The defaults measured best on `tinyllm bench grounded` (docs/INFERENCE.md, "Speculative
-    # decoding"): a step verifying k drafts costs about 14% more per draft on the default model.
+    # decoding"): each draft a step verifies costs it 15-20% more on the default model.
     num_speculative_tokens: int = 6
     method: str = "ngram"
     prompt_lookup_min: int = 1
