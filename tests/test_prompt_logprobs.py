@@ -4,7 +4,8 @@ preempted or already cached, and equal to what decoding reports for the same pos
 
 import pytest
 
-from tests.test_default_config import _engine, _random_prompts, _run
+from tests.engine_runs import engine_on, run_all
+from tests.test_default_config import _random_prompts
 from tinyllm.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -46,20 +47,20 @@ def test_prompt_logprobs_equal_what_decoding_reports_for_the_same_position(defau
 
 def test_the_same_bits_chunked_preempted_or_with_the_prompt_cached(default_config_llm):
     prompts = _random_prompts(6, [40], seed=3)
-    ref = [_table(o) for o in _run(_engine(default_config_llm), prompts, PROMPT_LP)]
-    chunked = _run(_engine(default_config_llm, max_num_batched_tokens=16), prompts, PROMPT_LP)
+    ref = [_table(o) for o in run_all(engine_on(default_config_llm), prompts, PROMPT_LP)]
+    chunked = run_all(engine_on(default_config_llm, max_num_batched_tokens=16), prompts, PROMPT_LP)
     assert [_table(o) for o in chunked] == ref
     # As tests/test_default_config.py's preemption test: prompts growing by 48 tokens in 12
     # blocks of 16, preempted mid-prefill too; a recompute adds no logprob twice.
     grow = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, prompt_logprobs=3)
-    tight = _engine(default_config_llm, num_blocks=12, max_num_seqs=8, max_num_batched_tokens=32)
-    assert [_table(o) for o in _run(tight, prompts, grow)] == ref
+    tight = engine_on(default_config_llm, num_blocks=12, max_num_seqs=8, max_num_batched_tokens=32)
+    assert [_table(o) for o in run_all(tight, prompts, grow)] == ref
     assert tight.stats().num_preemptions > 0
     # The same prompts again with their blocks in the prefix cache: not read from it (cached
     # tokens have no logits), every logprob computed again.
-    warm = _engine(default_config_llm)
-    _run(warm, prompts, SamplingParams(max_tokens=1))
-    again = _run(warm, prompts, PROMPT_LP)
+    warm = engine_on(default_config_llm)
+    run_all(warm, prompts, SamplingParams(max_tokens=1))
+    again = run_all(warm, prompts, PROMPT_LP)
     assert [_table(o) for o in again] == ref
     assert [o.num_cached_tokens for o in again] == [0] * len(prompts)
 
