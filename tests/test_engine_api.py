@@ -146,14 +146,15 @@ def test_an_error_inside_a_step_ends_only_the_request_it_concerns(tiny, caplog):
     error and gives its blocks back; the requests batched with it finish as they would have,
     and the engine serves the next request."""
     engine = _engine(tiny)
-    sample = engine.runner.sampler
+    sampler = engine.runner.sampler
+    sample = sampler.verify
 
-    def poisoned(logits, requests):
+    def poisoned(logits, requests, drafts):
         if any(r.request_id == "bad" for r in requests):
             raise RuntimeError("boom")
-        return sample(logits, requests)
+        return sample(logits, requests, drafts)
 
-    engine.runner.sampler = poisoned
+    sampler.verify = poisoned
     for rid in ("a", "bad", "b"):
         engine.add_request(None, GREEDY, request_id=rid, prompt_token_ids=[3, 4, 5, 6, 7])
     with caplog.at_level(logging.ERROR, logger="tinyllm"):

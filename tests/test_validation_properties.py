@@ -160,6 +160,9 @@ def test_anything_is_refused_by_name_or_runs(default_config_llm, reference, case
     llm = default_config_llm
     junk, kwargs, prompts, bad_prompt = case
     prompts = [[1] * llm.engine.max_model_len if p == TOO_LONG else p for p in prompts]
+    # Text of characters the vocabulary lacks ("\x16" for the default model) is no tokens.
+    if not bad_prompt:  # (a bad prompt may be no text at all: not for the tokenizer)
+        bad_prompt = any(isinstance(p, str) and not llm.tokenizer.encode(p) for p in prompts)
     try:
         params = SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
@@ -191,4 +194,14 @@ def test_text_that_is_not_unicode_names_prompt_or_messages(default_config_llm):
         llm.generate(["fine", "a\ud800"], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match=r"^messages: not valid Unicode text"):
         llm.chat([{"role": "user", "content": "\udc00"}], GREEDY, use_tqdm=False)
+    _assert_idle(llm.engine)
+
+
+def test_text_the_vocabulary_cannot_encode_is_refused_by_name(default_config_llm):
+    """The default model's byte-level vocabulary lacks byte 0x16: the tokenizer drops it, so
+    such a prompt is no tokens, which is said as such (not as an empty prompt)."""
+    llm = default_config_llm
+    assert llm.tokenizer.encode("\x16") == []
+    with pytest.raises(ValueError, match=r"^the prompt '\\x16' is no tokens: this model's"):
+        llm.generate(["fine", "\x16"], GREEDY, use_tqdm=False)
     _assert_idle(llm.engine)

@@ -197,6 +197,11 @@ class LLMEngine:
             ids = list(prompt_token_ids)
         else:
             ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
+        if text and not ids:  # the tokenizer drops characters its vocabulary lacks
+            raise ValueError(
+                f"the prompt {text[:40]!r} is no tokens: this model's vocabulary has none of "
+                "its characters; give at least one token"
+            )
         self._check_prompt(ids, params)
         matcher = self._matcher(params)  # compiled once; each of n completions gets a copy
         if request_id is None:
