@@ -12,6 +12,7 @@ each new K/V goes to, block tables, query start offsets and context lengths. Dec
 first, so a backend can treat them as one batch of single-token queries.
 """
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -134,7 +135,7 @@ class ModelRunner:
             slot_mapping=self._tensor(slots),
             block_tables=self._tensor(padded),
             seq_lens=self._tensor(seq_lens),
-            query_start_loc=self._tensor([0, *_cumsum(query_lens)]),
+            query_start_loc=self._tensor(list(itertools.accumulate(query_lens, initial=0))),
             num_decodes=sum(1 for n in query_lens if n == 1),
             seq_lens_cpu=seq_lens,
             query_lens_cpu=query_lens,
@@ -152,11 +153,3 @@ class ModelRunner:
 
     def _tensor(self, values: list) -> Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
-
-
-def _cumsum(values: list[int]) -> list[int]:
-    out, total = [], 0
-    for v in values:
-        total += v
-        out.append(total)
-    return out

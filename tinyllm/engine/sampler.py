@@ -3,6 +3,7 @@
 Per-row settings become tensors on the logits' device, so the same code runs on CPU and CUDA.
 The only CPU tensors are each request's random draws, moved to the device before use."""
 
+import itertools
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -64,7 +65,8 @@ class Sampler:
         advances with the token. Constrained and penalized requests have no drafts
         (engine/speculative.py). Logprobs are those of the model's own distribution (before
         masks, penalties and temperature), as vLLM and OpenAI report them."""
-        first = _cumsum_from_zero([len(d) + 1 for d in drafts])
+        # Each request's first row: its rows are its last token's, then one per draft.
+        first = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
         owners = [req for req, d in zip(requests, drafts, strict=True) for _ in range(len(d) + 1)]
         constrained = [i for i, req in enumerate(owners) if req.matcher is not None]
         matchers = [owners[i].matcher for i in constrained]
@@ -91,14 +93,6 @@ class Sampler:
         if constrained:  # no drafts: one row, one token each
             self.grammar.advance(matchers, [best[i] for i in constrained])
         return chosen, _logprobs(logits, first, chosen, requests)
-
-
-def _cumsum_from_zero(values: list[int]) -> list[int]:
-    out, total = [], 0
-    for v in values:
-        out.append(total)
-        total += v
-    return out
 
 
 def apply_penalties(logits: Tensor, requests: Sequence[SamplerRequest]) -> Tensor:
