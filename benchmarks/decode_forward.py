@@ -19,6 +19,7 @@ import time
 import torch
 
 from tinyllm import LLM, SamplingParams
+from tinyllm.engine.scheduler import step_message
 from tinyllm.model.attention import AttentionMetadata
 
 
@@ -42,7 +43,7 @@ def main() -> None:
     rid = engine.add_request(list(range(100, 228)), SamplingParams(max_tokens=8, ignore_eos=True))
     for _ in range(2):  # the prompt, then a decode: the next token's block is allocated
         engine.step()
-    batch = engine.runner.prepare_inputs([(engine.requests[rid], 1)])
+    batch = engine.runner.prepare_inputs(step_message([(engine.requests[rid], 1)]))
     model = engine.runner.model
     none = torch.empty(0, dtype=torch.long)
     meta = AttentionMetadata(

@@ -8,6 +8,7 @@ from tinyllm.engine.kv_cache_manager import KVCacheManager
 from tinyllm.engine.model_runner import ModelRunner
 from tinyllm.engine.request import Request
 from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.engine.scheduler import step_message
 from tinyllm.model.attention import get_backend
 from tinyllm.model.llama import Transformer
 
@@ -25,11 +26,11 @@ def prompt_logits(
     ]
     for r in requests:
         assert kv.allocate(r, r.num_tokens)
-    batch = runner.prepare_inputs([(r, r.num_tokens) for r in requests])
+    batch = runner.prepare_inputs(step_message([(r, r.num_tokens) for r in requests]))
     with torch.inference_mode():
         logits = model.logits(model(batch.input_ids, batch.positions, batch.ctx))
     by_id, start = {}, 0
-    for r, n in batch.rows:
-        by_id[r.request_id] = logits[start : start + n]
+    for req_id, n in batch.rows:
+        by_id[req_id] = logits[start : start + n]
         start += n
     return [by_id[str(i)] for i in range(len(prompts))]

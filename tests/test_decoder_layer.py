@@ -12,6 +12,7 @@ from tinyllm.engine.kv_cache_manager import KVCacheManager
 from tinyllm.engine.model_runner import ModelRunner
 from tinyllm.engine.request import Request
 from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.engine.scheduler import step_message
 from tinyllm.model import llama
 from tinyllm.model.attention import get_backend
 from tinyllm.model.config import ModelConfig
@@ -66,7 +67,7 @@ def _run(model: llama.Transformer, executor: str) -> tuple[list[torch.Tensor], l
                 r.all_token_ids.append(30 + i)
             assert kv.allocate(r, n)
             scheduled.append((r, n))
-        batch = runner.prepare_inputs(scheduled)
+        batch = runner.prepare_inputs(step_message(scheduled))
         hidden.append(model(batch.input_ids, batch.positions, batch.ctx))
         for r, n in scheduled:
             r.num_computed_tokens += n
@@ -107,6 +108,6 @@ def test_a_bad_weight_list_is_an_error_not_a_crash():
     runner = ModelRunner(model, kv.num_blocks, BLOCK, get_backend("cpu", model.device), "fused")
     r = Request("0", PROMPTS[0], SamplingParams(max_tokens=1), 1, [], seed=0)
     assert kv.allocate(r, r.num_tokens)
-    batch = runner.prepare_inputs([(r, r.num_tokens)])
+    batch = runner.prepare_inputs(step_message([(r, r.num_tokens)]))
     with pytest.raises(RuntimeError, match="decoder_attention: 3 weights, not 2"):
         model(batch.input_ids, batch.positions, batch.ctx)

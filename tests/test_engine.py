@@ -58,10 +58,15 @@ def _run(engine: LLMEngine, prompts, params, per_step: int | None = None) -> dic
 
     def spy():
         out = schedule()
-        kinds = {r.num_computed_tokens < r.num_prompt_tokens for r, _ in out.scheduled}
+        prompt_left = {
+            req_id: engine.requests[req_id].num_prompt_tokens - start
+            for req_id, start in out.num_computed_tokens.items()
+        }
+        kinds = {left > 0 for left in prompt_left.values()}
         engine.mixed_steps += kinds == {True, False}
         engine.chunked_prompts += sum(
-            0 < r.num_computed_tokens < r.num_prompt_tokens for r, _ in out.scheduled
+            0 < left < engine.requests[req_id].num_prompt_tokens
+            for req_id, left in prompt_left.items()
         )
         return out
 

@@ -149,10 +149,10 @@ def test_an_error_inside_a_step_ends_only_the_request_it_concerns(tiny, caplog):
     sampler = engine.runner.sampler
     sample = sampler.verify
 
-    def poisoned(logits, requests, drafts):
-        if any(r.request_id == "bad" for r in requests):
+    def poisoned(logits, requests, *args):
+        if any(r.req_id == "bad" for r in requests):
             raise RuntimeError("boom")
-        return sample(logits, requests, drafts)
+        return sample(logits, requests, *args)
 
     sampler.verify = poisoned
     for rid in ("a", "bad", "b"):

@@ -14,6 +14,7 @@ from tinyllm.engine.kv_cache_manager import KVCacheManager
 from tinyllm.engine.model_runner import ModelRunner
 from tinyllm.engine.request import Request
 from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.engine.scheduler import step_message
 from tinyllm.entrypoints import cli
 from tinyllm.model import llama
 from tinyllm.model.attention import get_backend
@@ -82,7 +83,7 @@ def test_the_model_runs_the_executor_the_runner_chose(executor, monkeypatch):
     kv = KVCacheManager(runner.scratch, BLOCK)
     r = Request("0", PROMPTS[0], SamplingParams(max_tokens=1), 1, [], seed=0)
     assert kv.allocate(r, r.num_tokens)
-    batch = runner.prepare_inputs([(r, r.num_tokens)])
+    batch = runner.prepare_inputs(step_message([(r, r.num_tokens)]))
     assert model(batch.input_ids, batch.positions, batch.ctx).shape == (7, 64)
 
 

@@ -22,6 +22,7 @@ from tinyllm.engine.kv_cache_manager import KVCacheManager
 from tinyllm.engine.model_runner import ModelRunner
 from tinyllm.engine.request import Request
 from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.engine.scheduler import step_message
 from tinyllm.model.attention import get_backend
 from tinyllm.model.config import ModelConfig
 from tinyllm.model.llama import Transformer
@@ -74,7 +75,7 @@ def fresh_kv(model: Transformer, tokens: list[int], block_size: int) -> list[tor
     runner = ModelRunner(model, kv.num_blocks, block_size, get_backend("auto", model.device))
     r = Request("fresh", tokens, SamplingParams(max_tokens=1), 1, [], seed=0)
     assert kv.allocate(r, len(tokens))
-    batch = runner.prepare_inputs([(r, len(tokens))])
+    batch = runner.prepare_inputs(step_message([(r, len(tokens))]))
     with torch.inference_mode():
         model(batch.input_ids, batch.positions, batch.ctx)
     return [cache_rows(k, v, r.block_ids, len(tokens)) for k, v in runner.kv_caches]

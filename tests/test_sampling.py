@@ -20,7 +20,6 @@ def _req(prompt=(1, 7), output=(), **kw) -> SimpleNamespace:
         generator=torch.Generator().manual_seed(params.seed or 0),
         prompt_token_ids=list(prompt),
         output_token_ids=list(output),
-        matcher=None,
     )
 
 
@@ -122,7 +121,6 @@ def test_plain_greedy_batch_is_just_an_argmax():
             generator=None,
             prompt_token_ids=None,
             output_token_ids=None,
-            matcher=None,
         )
         for _ in range(3)
     ]

@@ -3,6 +3,7 @@ LLMEngine.step does around the forward pass: advance `num_computed_tokens` by wh
 request whose tokens are all computed one sampled token, and finish it when that ends it."""
 
 import math
+from dataclasses import dataclass
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -11,7 +12,8 @@ from hypothesis import strategies as st
 from tinyllm.engine.kv_cache_manager import KVCacheManager
 from tinyllm.engine.request import Request, RequestStatus
 from tinyllm.engine.sampling_params import SamplingParams
-from tinyllm.engine.scheduler import Scheduler, SchedulerOutput
+from tinyllm.engine.scheduler import Scheduler
+from tinyllm.engine.step_message import SchedulerOutput
 
 MAX_MODEL_LEN = 256
 TOKEN = 3  # what the "model" samples: never a stop token (no eos, no stop_token_ids)
@@ -34,13 +36,38 @@ def make_scheduler(
     return Scheduler(KVCacheManager(num_blocks, block_size), max_num_seqs, budget)
 
 
-def step(sched: Scheduler, max_model_len: int = MAX_MODEL_LEN) -> tuple[SchedulerOutput, list]:
-    """One engine step without the model; returns the output and the requests that sampled."""
+@dataclass
+class Step:
+    """A step's SchedulerOutput with its request ids as the test's requests."""
+
+    message: SchedulerOutput
+    scheduled: list[tuple[Request, int]]
+    preempted: list[Request]
+    rejected: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.message.num_tokens
+
+
+def schedule(sched: Scheduler) -> Step:
+    known = {r.request_id: r for r in [*sched.running, *sched.waiting]}
     out = sched.schedule()
+    return Step(
+        out,
+        [(known[req_id], n) for req_id, n in out.num_scheduled_tokens.items()],
+        [known[req_id] for req_id in out.preempted_req_ids],
+        [known[req_id] for req_id in out.rejected_req_ids],
+    )
+
+
+def step(sched: Scheduler, max_model_len: int = MAX_MODEL_LEN) -> tuple[Step, list]:
+    """One engine step without the model; returns the output and the requests that sampled."""
+    out = schedule(sched)
     return out, run(sched, out, max_model_len)
 
 
-def run(sched: Scheduler, out: SchedulerOutput, max_model_len: int) -> list[Request]:
+def run(sched: Scheduler, out: Step, max_model_len: int) -> list[Request]:
     """What the engine does with a SchedulerOutput once the model has run."""
     for request in out.rejected:  # the engine reports an error and releases it
         sched.finish(request, "error")
@@ -59,7 +86,7 @@ def ids(requests) -> list[str]:
     return [r.request_id for r in requests]
 
 
-def scheduled(out: SchedulerOutput) -> list[tuple[str, int]]:
+def scheduled(out: Step) -> list[tuple[str, int]]:
     return [(r.request_id, n) for r, n in out.scheduled]
 
 
@@ -363,7 +390,7 @@ arrival = st.tuples(
 )
 
 
-def _check_step(sched: Scheduler, out: SchedulerOutput, before_running, before_waiting, budget):
+def _check_step(sched: Scheduler, out: Step, before_running, before_waiting, budget):
     kv = sched.kv
     assert out.num_tokens <= budget
     assert len(sched.running) <= sched.max_num_seqs
@@ -452,7 +479,7 @@ def test_random_workload_accounts_for_everything(
                 aborted.add(r.request_id)
         _check_accounting(sched, requests)
         before_running, before_waiting = list(sched.running), list(sched.waiting)
-        out = sched.schedule()
+        out = schedule(sched)
         _check_step(sched, out, before_running, before_waiting, budget)
         run(sched, out, PROP_MAX_MODEL_LEN)
         rejected.update(ids(out.rejected))

@@ -123,8 +123,8 @@ def _random_speculation(engine: LLMEngine, rng: random.Random) -> None:
     sampler = engine.runner.sampler
     verify = sampler.verify
 
-    def accept_some(logits, requests, drafts):
-        tokens, logprobs = verify(logits, requests, drafts)
+    def accept_some(logits, requests, drafts, *args):
+        tokens, logprobs = verify(logits, requests, drafts, *args)
         for r, draft in enumerate(drafts):
             if draft:
                 tokens[r] = draft[: rng.randint(0, len(draft))] + [rng.randrange(VOCAB)]

@@ -95,15 +95,15 @@ def test_stop_strings_and_max_tokens_inside_an_acceptedrun_all(default_config_ll
         enable_prefix_caching=False,
     )
     returned: dict[str, int] = {}
-    execute = engine.runner.execute
+    execute = engine.runner.execute_model
 
     def counting(scheduled):
-        sampled = execute(scheduled)
-        for request, tokens, _ in sampled:
-            returned[request.request_id] = returned.get(request.request_id, 0) + len(tokens)
-        return sampled
+        result = execute(scheduled)
+        for req_id, tokens in zip(result.req_ids, result.sampled_token_ids, strict=True):
+            returned[req_id] = returned.get(req_id, 0) + len(tokens)
+        return result
 
-    engine.runner.execute = counting
+    engine.runner.execute_model = counting
     out = run_all(engine, prompts, params)
     _assert_same(ref, out)
     cut = [o for o in out if returned[o.request_id] > len(o.token_ids)]

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from tinyllm.engine.config import EngineConfig, SpeculativeConfig
+from tinyllm.engine.model_runner import CachedRequestState
 from tinyllm.engine.request import Request
 from tinyllm.engine.sampler import Sampler, _accept_or_resample, _probs
 from tinyllm.engine.sampling_params import SamplingParams
@@ -16,8 +17,14 @@ V = 6
 ALPHA = 1e-4
 
 
-def _request(params: SamplingParams, seed: int = 0, prompt=(5, 6, 7)) -> Request:
-    return Request("r", list(prompt), params, max_tokens=100, eos_token_ids=[0], seed=seed)
+def _request(params: SamplingParams, prompt: list[int]) -> Request:
+    return Request("r", prompt, params, max_tokens=100, eos_token_ids=[0], seed=0)
+
+
+def _sampled(params: SamplingParams, seed: int = 0) -> CachedRequestState:
+    """A request as the sampler sees it: the model runner's state of it."""
+    prompt = [5, 6, 7]
+    return CachedRequestState("r", prompt, params, torch.Generator().manual_seed(seed), prompt, [])
 
 
 def _target(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -43,7 +50,7 @@ def test_sampled_tokens_follow_the_target_whatever_the_drafts(params):
     logits = torch.randn(3, V) * 1.5
     target = _target(logits, params)
     likely, unlikely = int(target[0].argmax()), int(target[0].argmin())
-    req = _request(params, seed=7)
+    req = _sampled(params, seed=7)
     for first in (likely, unlikely):
         draft = [first, int(target[1].argmax())]
         runs = [_accept_or_resample(logits, draft, req) for _ in range(2500)]
@@ -78,7 +85,7 @@ def _chi_square_pvalue(observed: list[float], expected: list[float]) -> float:
 
 def test_greedy_accepts_the_argmax_run_and_adds_the_models_token():
     logits = torch.tensor([[0, 3, 1, 0.0], [0, 0, 0, 5.0], [2, 0, 0, 0.0], [0, 0, 9, 0.0]])
-    greedy = _request(SamplingParams(temperature=0, logprobs=1))
+    greedy = _sampled(SamplingParams(temperature=0, logprobs=1))
     (tokens,), (logprobs,) = Sampler().verify(logits, [greedy], [[1, 3, 1]])
     # 1 and 3 are row 0's and row 1's argmax; row 2's is 0, not the draft 1.
     assert tokens == [1, 3, 0]
@@ -94,14 +101,14 @@ def test_a_request_without_drafts_draws_as_without_speculation():
     torch.manual_seed(0)
     logits = torch.randn(4, V)
     sampled = SamplingParams(temperature=1.0, seed=3)
-    (plain,), _ = Sampler()(logits[:1], [_request(sampled)])
-    a, other = _request(sampled), _request(SamplingParams(temperature=0))
+    (plain,), _ = Sampler()(logits[:1], [_sampled(sampled)])
+    a, other = _sampled(sampled), _sampled(SamplingParams(temperature=0))
     tokens, _ = Sampler().verify(logits, [a, other], [[], [1, 2]])
     assert tokens[0] == [plain]
 
 
 def _decoding(prompt: list[int], params: SamplingParams, output: list[int]) -> Request:
-    r = _request(params, prompt=prompt)
+    r = _request(params, prompt)
     r.all_token_ids += output
     r.num_computed_tokens = r.num_tokens - 1
     return r

@@ -14,7 +14,7 @@ import torch
 
 from tests.engine_runs import engine_on, run_all
 from tinyllm.engine.engine import LLMEngine
-from tinyllm.engine.grammar import GrammarMasks, StructuredOutputCompiler
+from tinyllm.engine.grammar import GrammarMasks, StructuredOutputCompiler, apply_bitmask
 from tinyllm.engine.outputs import RequestOutput
 from tinyllm.engine.sampler import Sampler
 from tinyllm.engine.sampling_params import SamplingParams
@@ -274,7 +274,7 @@ def test_abort_and_finish_free_the_matcher(default_config_llm):
 def _masked(tokenizer, vocab_size: int, constraint: StructuredOutputsParams, logits: torch.Tensor):
     compiler = StructuredOutputCompiler(tokenizer, vocab_size)
     masks = GrammarMasks()
-    return masks, masks.apply(logits, [1], [compiler.matcher(constraint)])
+    return masks, apply_bitmask(logits, [1], masks.fill([compiler.matcher(constraint)], vocab_size))
 
 
 def test_a_mask_forbids_padding_ids_and_leaves_allowed_logits_alone(default_config_llm):
@@ -304,8 +304,8 @@ def test_a_mask_forbids_padding_ids_and_leaves_allowed_logits_alone(default_conf
 def test_the_mask_comes_first_and_logprobs_are_the_models(default_config_llm, sampling):
     """A +100 logit_bias on the raw argmax, a token the grammar forbids, cannot bring it back,
     greedy or sampled: the mask comes before penalties, bias, temperature and top-k. The
-    logprobs are those of the raw logits, as for any row, and the matcher advances with the
-    token chosen."""
+    logprobs are those of the raw logits, as for any row, and the token chosen is one the
+    matcher takes."""
     tok = default_config_llm.tokenizer
     compiler = StructuredOutputCompiler(tok, tok.vocab_size)
     matcher = compiler.matcher(StructuredOutputsParams(choice=["yes", "no"]))
@@ -318,17 +318,17 @@ def test_the_mask_comes_first_and_logprobs_are_the_models(default_config_llm, sa
         generator=torch.Generator().manual_seed(params.seed or 0),
         prompt_token_ids=[favourite],
         output_token_ids=[],
-        matcher=matcher,
     )
-    (token,), (lp,) = Sampler()(logits, [req])
+    bitmask = GrammarMasks().fill([matcher], tok.vocab_size)
+    (token,), (lp,) = Sampler()(logits, [req], [0], bitmask)
     text = tok.decode([token])
     word = next(w for w in ("yes", "no") if w.startswith(text))
     raw = logits[0].log_softmax(-1)
     assert lp.logprob == raw[token].item()
     assert [t for t, _ in lp.top] == raw.topk(3).indices.tolist()
-    # The matcher took the token: the rest of the word completes the grammar.
+    # The matcher takes the token, and the rest of the word completes the grammar.
     rest = tok.encode(word[len(text) :], add_special_tokens=False)
-    assert matcher.consume_tokens(rest) and matcher.is_stopped()
+    assert matcher.consume_tokens([token, *rest]) and matcher.is_stopped()
 
 
 def test_generate_flags_constrain_the_answer(default_config_llm, monkeypatch, capsys, tmp_path):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from llguidance import LLMatcher
 
 from tinyllm.engine.config import EngineConfig
-from tinyllm.engine.grammar import StructuredOutputCompiler
+from tinyllm.engine.grammar import GrammarMasks, StructuredOutputCompiler
 from tinyllm.engine.kv_cache_manager import KVCacheManager
 from tinyllm.engine.memory import available_bytes
 from tinyllm.engine.model_runner import ModelRunner, kv_bytes_per_token
@@ -26,6 +26,7 @@ from tinyllm.engine.request import Request, RequestStatus
 from tinyllm.engine.sampling_params import SamplingParams
 from tinyllm.engine.scheduler import Scheduler
 from tinyllm.engine.speculative import SpecStats, Speculator
+from tinyllm.engine.step_message import ModelRunnerOutput, SchedulerOutput
 from tinyllm.engine.validation import check_token_ids
 from tinyllm.model.attention import get_backend
 from tinyllm.model.llama import Transformer
@@ -136,6 +137,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.output_processor = OutputProcessor(tokenizer)
         self.grammars = StructuredOutputCompiler(tokenizer, model.config.vocab_size)
+        self.grammar_masks = GrammarMasks()
         spec = config.speculative_config
         self.speculator = None if spec is None else Speculator(spec, self.max_model_len)
         if spec is not None:
@@ -292,38 +294,71 @@ class LLMEngine:
             self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         outputs = []
-        for request in out.rejected:
+        for request in map(self.requests.get, out.rejected_req_ids):
             error = (
                 f"request needs {request.num_tokens + 1} tokens of KV cache but the whole cache "
                 f"holds {self.kv.capacity_tokens} (max_model_len {self.max_model_len})"
             )
             update = TokenUpdate(request.request_id, [], [], "error", error=error)
             outputs += self._finish(request, update)
-        if out.scheduled:
-            outputs += self._run(out.scheduled)
+        if out.num_scheduled_tokens:
+            self._mask_grammars(out)
+            outputs += self._run(out)
         return self._gather(outputs)
 
-    def _run(self, scheduled: list[tuple[Request, int]]) -> list[RequestOutput]:
+    def _mask_grammars(self, out: SchedulerOutput) -> None:
+        """The masks of the constrained requests that sample this step, into its message."""
+        constrained = []
+        for req_id, n in out.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            samples = out.num_computed_tokens[req_id] + n >= request.num_tokens
+            if request.matcher is not None and samples:
+                constrained.append(request)
+        if constrained:
+            matchers = [r.matcher for r in constrained]
+            out.grammar_req_ids = [r.request_id for r in constrained]
+            out.grammar_bitmask = self.grammar_masks.fill(matchers, self.model.config.vocab_size)
+
+    def _run(self, out: SchedulerOutput) -> list[RequestOutput]:
         """Run the step's batch; if it fails, run each request alone, so an error ends only
         the requests it concerns (with an error output), and the others go on."""
         try:
-            sampled = self.runner.execute(scheduled)
+            result = self.runner.execute_model(out)
         except Exception:
-            if len(scheduled) == 1:
-                request = scheduled[0][0]
-                log.exception("request %s failed in a step", request.request_id)
+            if len(out.num_scheduled_tokens) == 1:
+                [req_id] = out.num_scheduled_tokens
+                log.exception("request %s failed in a step", req_id)
                 error = "the engine failed on this request (see the server log)"
-                return self._finish(
-                    request, TokenUpdate(request.request_id, [], [], "error", error=error)
-                )
-            return [o for one in scheduled for o in self._run([one])]
+                update = TokenUpdate(req_id, [], [], "error", error=error)
+                return self._finish(self.requests[req_id], update)
+            return [o for req_id in out.num_scheduled_tokens for o in self._run(out.only(req_id))]
+        return self._update_from_output(out, result)
+
+    def _update_from_output(
+        self, out: SchedulerOutput, result: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        """The bookkeeping after a step, all of it: computed tokens (rolling back rejected
+        drafts), prompt logprobs, grammars, tokens appended, finishes, outputs."""
+        sampled = [
+            (self.requests[req_id], tokens, logprobs)
+            for req_id, tokens, logprobs in zip(
+                result.req_ids, result.sampled_token_ids, result.logprobs, strict=True
+            )
+        ]
         # Draft tokens the model rejected are rolled back: their K/V stays in the blocks, to
         # be overwritten by the tokens that really come there.
         rejected = {req: len(req.spec_token_ids) + 1 - len(tokens) for req, tokens, _ in sampled}
-        for request, n in scheduled:
+        for req_id, n in out.num_scheduled_tokens.items():
+            request = self.requests[req_id]
             n -= rejected.get(request, 0)
             self._count(request, n)
             request.num_computed_tokens += n
+            if req_id in result.prompt_logprobs:
+                request.prompt_logprobs += result.prompt_logprobs[req_id]
+        if out.grammar_req_ids:  # no drafts: one token each
+            tokens = dict(zip(result.req_ids, result.sampled_token_ids, strict=True))
+            matchers = [self.requests[r].matcher for r in out.grammar_req_ids]
+            self.grammar_masks.advance(matchers, [tokens[r][0] for r in out.grammar_req_ids])
         updates, done = [], []
         for request, tokens, logprobs in sampled:
             if request.spec_token_ids:  # only the speculator sets them

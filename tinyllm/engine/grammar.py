@@ -1,8 +1,9 @@
 """Constrained decoding with llguidance: a request's StructuredOutputsParams compiled into a
 matcher (where its output is in the grammar), and each step's token masks.
 
-The sampler is the only user: before sampling it masks each constrained row's logits to the
-tokens its matcher allows, then advances the matcher with the chosen token."""
+The engine computes each step's masks for the constrained requests and sends them with the
+step; the sampler masks each constrained row's logits to the tokens allowed; the engine then
+advances each matcher with the chosen token."""
 
 import dataclasses
 import json
@@ -101,12 +102,12 @@ _BYTE_COUNT = torch.tensor([bin(byte).count("1") for byte in range(256)])
 
 @dataclass
 class GrammarStats:
-    """What constrained decoding cost, counted since the sampler was made."""
+    """What constrained decoding cost, counted since the engine was made."""
 
-    steps: int = 0  # sampler calls with a constrained row
+    steps: int = 0  # steps with a constrained row
     rows: int = 0  # constrained rows sampled
     forced: int = 0  # of those, rows whose mask allowed exactly one token
-    seconds: float = 0.0  # masks computed and applied, matchers advanced
+    seconds: float = 0.0  # masks computed, matchers advanced
 
     def __sub__(self, other: "GrammarStats") -> "GrammarStats":
         pairs = zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)
@@ -114,36 +115,33 @@ class GrammarStats:
 
 
 class GrammarMasks:
-    """The sampler's side: every constrained row's mask in one parallel llguidance call, applied
-    to the logits at once; then each matcher advanced with its row's token. Counts what it costs
-    and how often a mask left one token only (a forced token: a brace, a key, a quote)."""
+    """The scheduler's side: before a step, every constrained row's mask in one parallel
+    llguidance call (the bitmask the step's message carries: engine/step_message.py); after
+    it, each matcher advanced with its row's token. Counts what it costs and how often a mask
+    left one token only (a forced token: a brace, a key, a quote)."""
 
     def __init__(self) -> None:
         self._executor: LLExecutor | None = None
         self.stats = GrammarStats()
 
-    def apply(self, logits: Tensor, rows: list[int], matchers: list[LLMatcher]) -> Tensor:
-        """A copy of `logits` (R, V) whose `rows` are -inf wherever their matcher forbids the
-        token, padding ids past the tokenizer's vocabulary included."""
+    def fill(self, matchers: list[LLMatcher], vocab_size: int) -> Tensor:
+        """(len(matchers), ceil(vocab_size / 32)) int32 on the CPU: token 32w + b is allowed
+        where bit b of word w is set."""
         start = time.perf_counter()
         if self._executor is None:
             self._executor = LLExecutor()
-        n, V, dev = len(rows), logits.shape[1], logits.device
-        words = -(-V // 32)
+        n, words = len(matchers), -(-vocab_size // 32)
         bitmask = torch.zeros(n, words, dtype=torch.int32)
         self._executor.unsafe_compute_mask_ptr(
             [(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), words * 4, n
         )
-        mask_bytes = bitmask.view(torch.uint8).view(-1).to(dev).long()
-        bias = _BYTE_BIAS.to(dev, logits.dtype).index_select(0, mask_bytes).view(n, -1)[:, :V]
-        masked = logits.index_add(0, torch.tensor(rows, device=dev), bias)
-        allowed = _BYTE_COUNT.to(dev).index_select(0, mask_bytes).view(n, -1).sum(-1)
+        allowed = _BYTE_COUNT.index_select(0, bitmask.view(torch.uint8).view(-1).long())
         stats = self.stats
-        stats.forced += int((allowed == 1).sum())
+        stats.forced += int((allowed.view(n, -1).sum(-1) == 1).sum())
         stats.steps += 1
         stats.rows += n
         stats.seconds += time.perf_counter() - start
-        return masked
+        return bitmask
 
     def advance(self, matchers: list[LLMatcher], tokens: list[int]) -> None:
         start = time.perf_counter()
@@ -151,3 +149,13 @@ class GrammarMasks:
             if not matcher.consume_token(token):  # the mask allowed it: a bug, not bad input
                 raise RuntimeError(f"grammar matcher refused token {token}: {matcher.get_error()}")
         self.stats.seconds += time.perf_counter() - start
+
+
+def apply_bitmask(logits: Tensor, rows: list[int], bitmask: Tensor) -> Tensor:
+    """The sampler's side: a copy of `logits` (R, V) whose `rows` are -inf wherever their mask
+    (GrammarMasks.fill) forbids the token, padding ids past the tokenizer's vocabulary
+    included."""
+    V, dev = logits.shape[1], logits.device
+    mask_bytes = bitmask.view(torch.uint8).view(-1).to(dev).long()
+    bias = _BYTE_BIAS.to(dev, logits.dtype).index_select(0, mask_bytes).view(len(rows), -1)
+    return logits.index_add(0, torch.tensor(rows, device=dev), bias[:, :V])

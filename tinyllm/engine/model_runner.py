@@ -7,9 +7,12 @@ whose pages take no memory until a block is written, so resident memory follows 
 use, not the pool's size. An unwritten slot holds any bits (NaN included), as does a slot
 written by an earlier request; the attention backends never let a slot at or past a row's
 `seq_len` reach the output.
-Each step it builds, once, what every layer's attention reads: token ids, positions, the slot
-each new K/V goes to, block tables, query start offsets and context lengths. Decode rows go
-first, so a backend can treat them as one batch of single-token queries.
+It takes nothing but the step's message (engine/step_message.py): it keeps its own state of
+each request from the messages (token ids, blocks, sampling settings, random generator) and
+returns the sampled tokens as data. Each step it builds, once, what every layer's attention
+reads: token ids, positions, the slot each new K/V goes to, block tables, query start offsets
+and context lengths. Decode rows go first, so a backend can treat them as one batch of
+single-token queries.
 """
 
 import itertools
@@ -21,8 +24,9 @@ from torch import Tensor
 from tinyllm.engine.layer_executor import choose_layer_executor
 from tinyllm.engine.logprobs import token_logprobs
 from tinyllm.engine.outputs import TokenLogprob
-from tinyllm.engine.request import Request
 from tinyllm.engine.sampler import Sampler
+from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.engine.step_message import ModelRunnerOutput, SchedulerOutput
 from tinyllm.model.attention import AttentionBackend, AttentionMetadata, ForwardContext
 from tinyllm.model.llama import Transformer
 
@@ -30,17 +34,36 @@ _PROMPT_LOGITS_ROWS = 128  # prompt positions per LM-head call (see _prompt_logp
 
 
 @dataclass
+class CachedRequestState:
+    """The runner's record of a request, kept from the step messages until it finishes (a
+    preempted request keeps it: its generator goes on where it was)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator  # CPU, seeded per request
+    token_ids: list[int]  # prompt and output
+    block_ids: list[int]
+    # Prompt positions whose logprob has been computed; the first token has none.
+    num_prompt_logprobs: int = 1
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+
+@dataclass
 class StepBatch:
-    rows: list[tuple[Request, int]]  # the scheduled requests in batch order (decodes first)
+    rows: list[tuple[str, int]]  # (request id, tokens) in batch order (decodes first)
     input_ids: Tensor  # (N,)
     positions: Tensor  # (N,)
     ctx: ForwardContext
-    sampling: list[Request]  # the rows whose tokens are all computed after this step
+    sampling: list[CachedRequestState]  # the rows whose tokens are all computed after this step
     drafts: list[list[int]]  # their draft tokens run this step (speculative decoding)
     # Their last token's index in the batch, and each draft token's after it.
     logits_indices: Tensor
     # Prompt logprobs to compute: (request, batch index of a position, the prompt token after it)
-    prompt_targets: list[tuple[Request, int, int]]
+    prompt_targets: list[tuple[CachedRequestState, int, int]]
 
 
 def kv_bytes_per_token(model: Transformer) -> int:
@@ -72,60 +95,96 @@ class ModelRunner:
             for _ in range(c.num_layers)
         ]
         self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
 
-    def execute(
-        self, scheduled: list[tuple[Request, int]]
-    ) -> list[tuple[Request, list[int], list[TokenLogprob | None]]]:
-        """Run each request's next `n` tokens (its draft tokens last); returns (request, tokens,
-        logprobs) for those whose tokens are now all computed (a finished prompt or a decode):
-        the drafts the model accepted, then one token of its own. Advancing
-        `num_computed_tokens` (past the accepted drafts only) is left to the caller."""
-        batch = self.prepare_inputs(scheduled)
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run each scheduled request's next tokens (its draft tokens last). The output holds,
+        for the requests whose tokens are now all computed (a finished prompt or a decode), the
+        drafts the model accepted, then one token of its own; and the prompt logprobs computed.
+        Advancing `num_computed_tokens` (past the accepted drafts only) is the scheduler's."""
+        batch = self.prepare_inputs(out)
         hidden = self.model(batch.input_ids, batch.positions, batch.ctx)
+        result = ModelRunnerOutput()
         if batch.prompt_targets:
-            self._prompt_logprobs(hidden, batch.prompt_targets)
-        if not batch.sampling:  # only prompt chunks ran: no row to sample, no LM head to run
-            return []
-        logits = self.model.logits(hidden[batch.logits_indices])
-        tokens, logprobs = self.sampler.verify(logits, batch.sampling, batch.drafts)
-        return list(zip(batch.sampling, tokens, logprobs, strict=True))
+            result.prompt_logprobs = self._prompt_logprobs(hidden, batch.prompt_targets)
+        if batch.sampling:  # else only prompt chunks ran: no row to sample, no LM head to run
+            logits = self.model.logits(hidden[batch.logits_indices])
+            row = {state.req_id: i for i, state in enumerate(batch.sampling)}
+            constrained = [row[req_id] for req_id in out.grammar_req_ids]
+            tokens, logprobs = self.sampler.verify(
+                logits, batch.sampling, batch.drafts, constrained, out.grammar_bitmask
+            )
+            result.req_ids = list(row)
+            result.sampled_token_ids, result.logprobs = tokens, logprobs
+        # Counted only now: a step that failed computes them again when its requests rerun.
+        for req_id, lps in result.prompt_logprobs.items():
+            self.requests[req_id].num_prompt_logprobs += len(lps)
+        return result
 
-    def _prompt_logprobs(self, hidden: Tensor, targets: list[tuple[Request, int, int]]) -> None:
-        """Append each target's logprob to its request's `prompt_logprobs`, in position order.
-        The LM head runs on a slice of rows at a time: a whole chunk's logits at once would be
-        chunk x vocabulary floats (100 MB for 512 x 49152)."""
+    def _prompt_logprobs(
+        self, hidden: Tensor, targets: list[tuple[CachedRequestState, int, int]]
+    ) -> dict[str, list[TokenLogprob | None]]:
+        """Each target's logprob, by request in position order. The LM head runs on a slice of
+        rows at a time: a whole chunk's logits at once would be chunk x vocabulary floats
+        (100 MB for 512 x 49152)."""
+        found: dict[str, list[TokenLogprob | None]] = {}
         for s in range(0, len(targets), _PROMPT_LOGITS_ROWS):
             part = targets[s : s + _PROMPT_LOGITS_ROWS]
             logits = self.model.logits(hidden[self._tensor([i for _, i, _ in part])])
             tokens = self._tensor([t for _, _, t in part])
-            top_n = [req.params.prompt_logprobs for req, _, _ in part]
-            for (req, _, _), lp in zip(part, token_logprobs(logits, tokens, top_n), strict=True):
-                req.prompt_logprobs.append(lp)
+            top_n = [state.params.prompt_logprobs for state, _, _ in part]
+            for (state, _, _), lp in zip(part, token_logprobs(logits, tokens, top_n), strict=True):
+                found.setdefault(state.req_id, []).append(lp)
+        return found
 
-    def prepare_inputs(self, scheduled: list[tuple[Request, int]]) -> StepBatch:
-        """The flat batch and the metadata every layer reads, built once per step."""
+    def update_states(self, out: SchedulerOutput) -> None:
+        """Forget the finished requests, record the new ones, and write what the scheduled ones
+        lacked where it goes."""
+        for req_id in out.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in out.new_requests:
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id,
+                list(new.prompt_token_ids),
+                new.params,
+                torch.Generator().manual_seed(new.seed),
+                list(new.prompt_token_ids),
+                list(new.block_ids),
+            )
+        for cached in out.cached_requests:
+            state = self.requests[cached.req_id]
+            state.token_ids[cached.token_offset :] = cached.new_token_ids
+            state.block_ids[cached.block_offset :] = cached.new_block_ids
+
+    def prepare_inputs(self, out: SchedulerOutput) -> StepBatch:
+        """The flat batch and the metadata every layer reads, built once per step (after
+        taking the message's news into the requests' states)."""
+        self.update_states(out)
+        scheduled = out.num_scheduled_tokens.items()
         rows = sorted(scheduled, key=lambda rn: rn[1] != 1)  # decodes first, order kept
         bs = self.block_size
         ids, positions, slots, tables, seq_lens, query_lens = [], [], [], [], [], []
         sampling, drafts, last, prompt_targets = [], [], [], []
-        for req, n in rows:
-            start = req.num_computed_tokens
+        for req_id, n in rows:
+            req = self.requests[req_id]
+            start = out.num_computed_tokens[req_id]
             end = start + n
-            draft = req.spec_token_ids[: max(end - req.num_tokens, 0)]
-            if req.prompt_logprobs is not None:
+            draft = out.spec_token_ids.get(req_id, [])
+            num_prompt = len(req.prompt_token_ids)
+            if req.params.prompt_logprobs is not None:
                 # Position p's logits give prompt token p + 1's logprob; those a recompute
                 # after preemption already has are not computed again.
-                first = max(start, len(req.prompt_logprobs) - 1)
-                for p in range(first, min(end, req.num_prompt_tokens - 1)):
-                    prompt_targets.append((req, len(ids) + p - start, req.all_token_ids[p + 1]))
-            ids += req.all_token_ids[start:end] + draft
+                first = max(start, req.num_prompt_logprobs - 1)
+                for p in range(first, min(end, num_prompt - 1)):
+                    prompt_targets.append((req, len(ids) + p - start, req.token_ids[p + 1]))
+            ids += req.token_ids[start:end] + draft
             positions += range(start, end)
             blocks = req.block_ids
             slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
             tables.append(blocks)
             seq_lens.append(end)
             query_lens.append(n)
-            if end >= req.num_tokens:
+            if end >= len(req.token_ids):
                 sampling.append(req)
                 drafts.append(draft)
                 last += range(len(ids) - 1 - len(draft), len(ids))

@@ -2,7 +2,6 @@
 
 import enum
 
-import torch
 from llguidance import LLMatcher
 
 from tinyllm.engine.block_pool import BlockKey
@@ -65,11 +64,11 @@ class Request:
         self._stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             self._stop_ids.update(eos_token_ids)
-        # Each request draws from its own generator, so a seed gives the same tokens whatever
-        # else shares the batch.
-        self.generator = torch.Generator().manual_seed(
-            params.seed if params.seed is not None else seed
-        )
+        # The seed of its own random generator (the runner's), so a seed gives the same tokens
+        # whatever else shares the batch.
+        self.seed = params.seed if params.seed is not None else seed
+        # How many of its token ids and block ids the runner has been sent (step_message).
+        self.num_sent_tokens = self.num_sent_blocks = 0
 
     @property
     def num_tokens(self) -> int:

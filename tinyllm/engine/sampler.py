@@ -8,10 +8,9 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
-from llguidance import LLMatcher
 from torch import Tensor
 
-from tinyllm.engine.grammar import GrammarMasks
+from tinyllm.engine.grammar import apply_bitmask
 from tinyllm.engine.logprobs import token_logprobs
 from tinyllm.engine.outputs import TokenLogprob
 from tinyllm.engine.sampling_params import SamplingParams
@@ -20,7 +19,7 @@ _NEG_INF = float("-inf")
 
 
 class SamplerRequest(Protocol):
-    """What the sampler reads from a request (the engine's Request has these attributes).
+    """What the sampler reads from a request (the model runner's state of one has these).
     Read-only properties, so that a class computing one (output_token_ids) also fits."""
 
     @property
@@ -31,23 +30,28 @@ class SamplerRequest(Protocol):
     def prompt_token_ids(self) -> list[int]: ...
     @property
     def output_token_ids(self) -> list[int]: ...  # generated so far
-    @property
-    def matcher(self) -> LLMatcher | None: ...  # structured output: where it is in the grammar
 
 
 class Sampler:
-    def __init__(self) -> None:
-        self.grammar = GrammarMasks()
-
     def __call__(
-        self, logits: Tensor, requests: Sequence[SamplerRequest]
+        self,
+        logits: Tensor,
+        requests: Sequence[SamplerRequest],
+        constrained: Sequence[int] = (),
+        bitmask: Tensor | None = None,
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits (R, V) float32, one row per request -> chosen tokens and their logprobs."""
-        tokens, logprobs = self.verify(logits, requests, [[] for _ in requests])
+        drafts = [[] for _ in requests]
+        tokens, logprobs = self.verify(logits, requests, drafts, constrained, bitmask)
         return [t for (t,) in tokens], [lp for (lp,) in logprobs]
 
     def verify(
-        self, logits: Tensor, requests: Sequence[SamplerRequest], drafts: Sequence[list[int]]
+        self,
+        logits: Tensor,
+        requests: Sequence[SamplerRequest],
+        drafts: Sequence[list[int]],
+        constrained: Sequence[int] = (),
+        bitmask: Tensor | None = None,
     ) -> tuple[list[list[int]], list[list[TokenLogprob | None]]]:
         """Each request's tokens for this step: the draft tokens the model accepts (speculative
         decoding), then one token of the model's own. logits (R, V) float32 hold, per request,
@@ -60,17 +64,17 @@ class Sampler:
         one more from the last row's p; each request's own generator draws, so a seed fixes
         the output. A request without drafts samples its one row as it always has.
 
-        A constrained row (structured output) can only choose what its grammar allows: its mask
-        comes first, before penalties, temperature and the filters, and its matcher then
-        advances with the token. Constrained and penalized requests have no drafts
-        (engine/speculative.py). Logprobs are those of the model's own distribution (before
-        masks, penalties and temperature), as vLLM and OpenAI report them."""
+        The `constrained` requests (structured output; by index) can only choose what their
+        grammar allows: `bitmask` row i is request constrained[i]'s mask (GrammarMasks.fill),
+        applied first, before penalties, temperature and the filters. Constrained and penalized
+        requests have no drafts (engine/speculative.py). Logprobs are those of the model's own
+        distribution (before masks, penalties and temperature), as vLLM and OpenAI report
+        them."""
         # Each request's first row: its rows are its last token's, then one per draft.
         first = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
         owners = [req for req, d in zip(requests, drafts, strict=True) for _ in range(len(d) + 1)]
-        constrained = [i for i, req in enumerate(owners) if req.matcher is not None]
-        matchers = [owners[i].matcher for i in constrained]
-        allowed = self.grammar.apply(logits, constrained, matchers) if constrained else logits
+        rows = [first[r] for r in constrained]  # no drafts: one row each
+        allowed = apply_bitmask(logits, rows, bitmask) if rows else logits
         penalized = apply_penalties(allowed, owners)
         targets = penalized.argmax(-1)
         plain = [r for r, req in enumerate(requests) if not req.params.greedy and not drafts[r]]
@@ -90,8 +94,6 @@ class Sampler:
                 chosen.append([*draft[:n], best[at + n]])
             else:
                 chosen.append(_accept_or_resample(penalized[at : at + len(draft) + 1], draft, req))
-        if constrained:  # no drafts: one row, one token each
-            self.grammar.advance(matchers, [best[i] for i in constrained])
         return chosen, _logprobs(logits, first, chosen, requests)
 
 

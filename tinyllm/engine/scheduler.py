@@ -10,26 +10,44 @@ get a block, the newest running request is preempted: its blocks are freed,
 `num_computed_tokens` goes back to 0 and it waits at the front of the queue to be recomputed
 (the founding design's policy), matching the cache again when it is readmitted (its own full
 blocks may still be there).
+
+The step leaves as a message of data (engine/step_message.py): what the runner lacks of each
+scheduled request, and the ids of the requests ended since the last step.
 """
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from tinyllm.engine.kv_cache_manager import KVCacheManager
 from tinyllm.engine.request import Request, RequestStatus
+from tinyllm.engine.step_message import CachedRequestData, NewRequestData, SchedulerOutput
 
 
-@dataclass
-class SchedulerOutput:
-    # (request, tokens to run): its next tokens, then its `spec_token_ids`, which the scheduler
-    # has cut to what the step runs
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    rejected: list[Request] = field(default_factory=list)  # can never fit the pool
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+def step_message(
+    scheduled: list[tuple[Request, int]], finished_req_ids: list[str] | None = None
+) -> SchedulerOutput:
+    """The message for running each request's next `n` tokens (its `spec_token_ids` last):
+    a request the runner has not seen whole, the others by the tokens and blocks it lacks."""
+    out = SchedulerOutput(finished_req_ids=finished_req_ids or [])
+    for request, n in scheduled:
+        rid = request.request_id
+        if request.num_sent_tokens == 0:
+            new = NewRequestData(
+                rid, request.prompt_token_ids, request.params, request.seed, list(request.block_ids)
+            )
+            out.new_requests.append(new)
+        else:
+            tokens, blocks = request.num_sent_tokens, request.num_sent_blocks
+            cached = CachedRequestData(
+                rid, tokens, request.all_token_ids[tokens:], blocks, request.block_ids[blocks:]
+            )
+            out.cached_requests.append(cached)
+        request.num_sent_tokens = request.num_tokens
+        request.num_sent_blocks = len(request.block_ids)
+        out.num_scheduled_tokens[rid] = n
+        out.num_computed_tokens[rid] = request.num_computed_tokens
+        if request.spec_token_ids:
+            out.spec_token_ids[rid] = list(request.spec_token_ids)
+    return out
 
 
 class Scheduler:
@@ -39,6 +57,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the newest is last
         self.num_preemptions = 0
+        self._finished_req_ids: list[str] = []  # ended since the last step, for the runner
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -47,7 +66,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+        rejected: list[Request] = []
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -65,21 +86,21 @@ class Scheduler:
                     continue
                 victim = self.running.pop()
                 self._preempt(victim)
-                out.preempted.append(victim)
+                preempted.append(victim)
                 if victim is request:
                     break
             if request.status is RequestStatus.WAITING:
                 break  # it was the newest: nothing after it is left to schedule
-            out.scheduled.append((request, n))
+            scheduled.append((request, n))
             budget -= n
             i += 1
         # After a preemption there is no room to spare: admitting now would only preempt again.
-        while self.waiting and budget > 0 and not out.preempted:
+        while self.waiting and budget > 0 and not preempted:
             if len(self.running) >= self.max_num_seqs:
                 break
             request = self.waiting[0]
             if not self.kv.fits_ever(request.num_tokens + 1):
-                out.rejected.append(self.waiting.popleft())
+                rejected.append(self.waiting.popleft())
                 continue
             # It starts after what the prefix cache holds (nothing when caching is off).
             matched = self.kv.match(request)
@@ -94,14 +115,18 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append((request, n))
+            scheduled.append((request, n))
             budget -= n
+        out = step_message(scheduled, self._finished_req_ids)
+        self._finished_req_ids = []
+        out.preempted_req_ids = [r.request_id for r in preempted]
+        out.rejected_req_ids = [r.request_id for r in rejected]
         return out
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.spec_token_ids = []
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_sent_blocks = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -116,6 +141,8 @@ class Scheduler:
             self.waiting.remove(request)
         if request.block_ids:
             self.kv.free(request)
+        if request.num_sent_tokens:  # the runner holds its state
+            self._finished_req_ids.append(request.request_id)
         request.status = RequestStatus.FINISHED
         if reason is not None:
             request.finish_reason = reason

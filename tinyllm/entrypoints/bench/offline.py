@@ -119,7 +119,7 @@ class EngineRun:
 
     @property
     def _grammar_stats(self) -> GrammarStats:
-        return self.engine.runner.sampler.grammar.stats
+        return self.engine.grammar_masks.stats
 
     def add(self, request_id: str, request: Request) -> None:
         params = _params(request.max_tokens, self.constraint, request.ignore_eos, self.temperature)
