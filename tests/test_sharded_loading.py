@@ -277,8 +277,17 @@ def test_shard_config_refuses_what_it_cannot_split():
     third = config.shard(3)
     assert (third.num_heads, third.num_kv_heads, third.intermediate_size) == (3, 1, 512)
     assert (third.hidden_size, third.head_dim, third.tensor_parallel_size) == (576, 64, 3)
-    with pytest.raises(ValueError, match="num_heads 9, num_kv_heads 3 do not divide by .* 2"):
+    with pytest.raises(ValueError, match="num_heads 9, num_kv_heads 3 do not divide by .* 2$"):
         config.shard(2)
+    # Fewer KV heads than ranks: refused, not replicated over the ranks as vLLM does.
+    for heads, kv_heads in [(8, 2), (12, 3)]:
+        few = ModelConfig("llama", VOCAB, 576, 1536, 1, heads, kv_heads, 64, 64)
+        with pytest.raises(
+            ValueError,
+            match=f": num_kv_heads {kv_heads} do not divide by world_size 4; fewer KV heads "
+            "than ranks, and KV heads are not replicated",
+        ):
+            few.shard(4)
 
 
 def test_gguf_tensor_reads_any_columns_of_a_kquant(tmp_path):

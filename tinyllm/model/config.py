@@ -97,9 +97,13 @@ class ModelConfig:
         }
         uneven = [f"{name} {n}" for name, n in split.items() if n % world_size]
         if uneven:
+            # vLLM replicates KV heads over the ranks when there are fewer; tinyllm does not.
+            few = self.num_kv_heads < world_size
+            why = "; fewer KV heads than ranks, and KV heads are not replicated" if few else ""
             raise ValueError(
                 f"tensor parallelism splits the query heads, KV heads and FFN width evenly "
                 f"over the ranks: {', '.join(uneven)} do not divide by world_size {world_size}"
+                f"{why}"
             )
         return dataclasses.replace(
             self,

@@ -9,10 +9,13 @@ carries the attention metadata, the attention backend, each layer's K/V cache an
 layers run as modules or as C++ ops (the runner's choice: tinyllm.engine.layer_executor). Every
 token of every request in the step goes through the linear layers as one (N, hidden) matrix; only
 attention needs to know which tokens belong together, and the backend reads that from the
-metadata.
+metadata. Under tensor parallelism the same model holds one rank's part (ModelConfig.shard), and
+model/tensor_parallel.apply_tp gives each layer the all-reduce it calls after o_proj and
+down_proj.
 """
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -144,6 +147,10 @@ class DecoderLayer(nn.Module):
         # forward_fused's arguments after the step's, once loaded: attention's and the MLP's
         self.attention_args: tuple = ()
         self.mlp_args: tuple = ()
+        # Sums, in place, a row-parallel projection's (o_proj's, down_proj's) partial output
+        # over the tensor-parallel ranks, before its residual add; None (one process holds the
+        # whole model): nothing to sum. Set by model/tensor_parallel.apply_tp.
+        self.all_reduce: Callable[[Tensor], object] | None = None
 
     def load_fused_args(self) -> None:
         """The weights as the C++ ops take them, gathered once: at one decode row, walking the
@@ -162,7 +169,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """`forward` as two C++ ops (model/decoder_layer.cpp), attention and MLP, from the same
         kernels as the CPU attention backend's. Each returns its last projection's output
-        before the residual add (where tensor parallelism all-reduces); the next op, or the
+        before the residual add, where tensor parallelism all-reduces it; the next op, or the
         final norm, does the add, into `residual`'s memory."""
         if residual is None:
             residual, x = x.contiguous(), None
@@ -172,7 +179,12 @@ class DecoderLayer(nn.Module):
             x, residual, positions, rope.cos, rope.sin, k_cache, v_cache, m.slot_mapping,
             m.block_tables, m.seq_lens, m.query_start_loc, m.num_rows, *self.attention_args,
         )  # fmt: skip
-        return torch.ops.tinyllm.decoder_mlp(o, residual, *self.mlp_args), residual
+        if self.all_reduce is not None:
+            self.all_reduce(o)
+        out = torch.ops.tinyllm.decoder_mlp(o, residual, *self.mlp_args)
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        return out, residual
 
     def forward(
         self, x: Tensor, residual: Tensor | None, positions: Tensor, rope: Rope, ctx
@@ -184,8 +196,13 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, positions, rope, ctx)
+        if self.all_reduce is not None:
+            self.all_reduce(x)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        if self.all_reduce is not None:
+            self.all_reduce(x)
+        return x, residual
 
 
 class Backbone(nn.Module):
