@@ -14,8 +14,9 @@ from tinyllm.engine.workers import WorkerGroup, run_worker, torchrun_rank
 
 class SumHandler:
     """Each message is {"i": its number, "value": v} with optional "sleep" (seconds before the
-    all-reduce) and "raise" (an error text). Every rank all-reduces [v * (rank + 1), its torch
-    threads (workers only), messages it has seen]; a message out of order is an error."""
+    all-reduce), "raise" (an error text) and "pad" (a string). Every rank all-reduces
+    [v * (rank + 1), messages it has seen, then from workers only: torch threads, the pad's
+    length]; a message out of order is an error."""
 
     def __init__(self, rank: int):
         self.rank = rank
@@ -28,8 +29,8 @@ class SumHandler:
         if "raise" in message:
             raise ValueError(message["raise"])
         time.sleep(message.get("sleep", 0))
-        threads = torch.get_num_threads() if self.rank else 0
-        total = torch.tensor([message["value"] * (self.rank + 1), threads, self.seen])
+        own = [torch.get_num_threads(), len(message.get("pad", ""))] if self.rank else [0, 0]
+        total = torch.tensor([message["value"] * (self.rank + 1), self.seen, *own])
         dist.all_reduce(total)
         return total
 
@@ -53,7 +54,7 @@ def _rank0(group: WorkerGroup, mode: str) -> None:
     handler = SumHandler(0)
     if mode == "steps":
         for i in range(2):
-            print("sum", group.execute({"i": i, "value": 1}, handler).tolist(), flush=True)
+            print("sum", group.execute({"i": i, "value": i + 1}, handler).tolist(), flush=True)
         group.close()
     elif mode == "mid-step":  # rank 0 stays out of the step's all-reduce
         group.execute({"i": 0, "value": 1, "sleep": 0}, lambda message: time.sleep(60))

@@ -22,6 +22,7 @@ torchrun: ranks other than 0 call `run_worker`, rank 0 calls `WorkerGroup.attach
 
 import atexit
 import datetime
+import multiprocessing.connection
 import os
 import pickle
 import signal
@@ -51,6 +52,8 @@ _POLL_S = 0.02
 _PARENT_POLL_S = 0.5
 _KEY = "tinyllm/tp/{what}/{rank}"
 _STOP = 0  # a message length; any pickled object is longer
+_LENGTH = 8  # bytes of the int64 length at the head of each message
+_INLINE = 16 * 1024  # bytes of a message sent in the same broadcast as its length
 
 
 class WorkerDiedError(RuntimeError):
@@ -59,7 +62,7 @@ class WorkerDiedError(RuntimeError):
     def __init__(self, reasons: dict[int, str], while_doing: str = ""):
         self.reasons = dict(sorted(reasons.items()))
         text = "; ".join(f"tensor-parallel rank {r} {why}" for r, why in self.reasons.items())
-        super().__init__(text + (f" {while_doing}" if while_doing else ""))
+        super().__init__(", ".join(part for part in (text, while_doing) if part))
 
 
 def torchrun_rank() -> int | None:
@@ -95,7 +98,9 @@ def check_world_size(world_size: int, device: torch.device) -> None:
             )
 
 
-def run_worker(device: torch.device, make_handler: Callable, args: tuple = (), threads=None):
+def run_worker(
+    device: torch.device, make_handler: Callable, args: tuple = (), threads: int | None = None
+) -> None:
     """The body of a rank other than 0 under torchrun: join the group from the environment
     (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), build the handler and serve
     rank 0's messages until it stops. Exits the process if anything fails."""
@@ -113,14 +118,15 @@ class WorkerGroup:
     """Rank 0's handle on the workers. `threads` is each rank's thread count, which the workers
     have applied; rank 0 applies it itself (the engine sets threads before loading weights)."""
 
-    def __init__(self, world_size: int, threads: int, store=None, processes=None, timeout=None):
+    def __init__(self, world_size: int, threads: int, timeout: datetime.timedelta):
         self.world_size = world_size
         self.threads = threads
-        self.processes: dict[int, mp.Process] = processes or {}  # empty under torchrun
-        self._store = store
-        self._timeout = timeout or DEFAULT_TIMEOUT
+        self.processes: dict[int, mp.Process] = {}  # by rank; empty under torchrun
+        self._store = None
+        self._timeout = timeout
         self._messages = None
         self._failure: str | None = None  # why the group cannot take another message
+        self._killed: set[int] = set()  # workers rank 0 killed because another one died
         self._closed = False
 
     @classmethod
@@ -140,7 +146,7 @@ class WorkerGroup:
         world_size 1 starts nothing."""
         device = torch.device(device)
         check_world_size(world_size, device)
-        group = cls(world_size, threads or rank_threads(world_size), timeout=timeout)
+        group = cls(world_size, threads or rank_threads(world_size), timeout)
         if world_size == 1:
             return group
         group._claim_default_group()
@@ -155,7 +161,9 @@ class WorkerGroup:
                 process = spawn.Process(target=_spawned, args=work + setup, name=f"tp-rank{rank}")
                 process.start()
                 group.processes[rank] = process
-            group._join("joined", rank_device(device, 0))
+            watch = threading.Thread(target=group._end_with_first_death, daemon=True)
+            watch.start()
+            group._join(rank_device(device, 0))
         except BaseException:
             group.close()
             raise
@@ -181,11 +189,11 @@ class WorkerGroup:
                 "processes: give torchrun one process per rank"
             )
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        group = cls(world_size, threads or rank_threads(local), timeout=timeout)
+        group = cls(world_size, threads or rank_threads(local), timeout)
         group._claim_default_group()
         group._store = _env_store(0, world_size, timeout)
         try:
-            group._join(None, device)
+            group._join(rank_device(device, int(os.environ.get("LOCAL_RANK", 0))))
         except BaseException:
             group.close()
             raise
@@ -194,13 +202,16 @@ class WorkerGroup:
     def broadcast(self, obj) -> None:
         """Every worker runs handler(obj), after the messages before it. Raises
         WorkerDiedError if a worker is dead or dies while this is sent."""
-        self.check()
+        if self.processes:  # their exit codes cost nothing to read; a rank elsewhere fails the send
+            self.check()
+        elif self._failure:
+            raise RuntimeError(f"this tensor-parallel group cannot continue: {self._failure}")
         if self._closed:
             raise RuntimeError("this tensor-parallel group is closed")
         if self.world_size == 1:
             return
         try:
-            _send(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), self._messages)
+            _send(bytearray(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)), self._messages)
         except Exception as e:
             raise self._failed(e, "while rank 0 sent a message") from e
 
@@ -238,7 +249,7 @@ class WorkerGroup:
         stopped = False
         if self._messages is not None and not self._failure and not self._reasons():
             try:
-                _send(b"", self._messages, timeout=_STOP_SEND_S)
+                _send(bytearray(), self._messages, timeout=_STOP_SEND_S)
                 stopped = True
             except Exception:
                 pass
@@ -261,10 +272,11 @@ class WorkerGroup:
             )
         atexit.register(self.close)
 
-    def _join(self, first_key: str | None, device: torch.device) -> None:
-        """Rank 0's half of `_serve`: the same group calls, in the same order."""
-        if first_key:
-            self._await(first_key, "while starting")
+    def _join(self, device: torch.device) -> None:
+        """Rank 0's half of `_serve`: the same group calls, in the same order. Waits for
+        spawned workers in steps that see them die and that Ctrl-C can interrupt."""
+        if self.processes:
+            self._await("joined", "while starting")
         _init_group(self._store, 0, self.world_size, device, self._timeout)
         self._messages = dist.new_group(backend="gloo", timeout=self._timeout)
         if self.processes:
@@ -274,14 +286,26 @@ class WorkerGroup:
             dist.all_gather_object(failures, None, group=self._messages)
         except Exception as e:
             raise self._failed(e, "while building its handler") from e
-        built = {r: f"failed to start: {why}" for r, why in enumerate(failures) if why}
+        built = {r: f"failed: {why}" for r, why in enumerate(failures) if why}
         if built:
             self._failure = "a worker failed to start"
-            raise WorkerDiedError(built)
+            raise WorkerDiedError(built, "while building its handler")
+
+    def _end_with_first_death(self) -> None:
+        """Rank 0's thread: once a spawned worker exits unasked, kill the others. gloo fails a
+        collective at once only where it waits on the dead peer itself; a rank waiting on a
+        live one (which waits on the dead one, or computes) would hold the others."""
+        sentinels = {p.sentinel: rank for rank, p in self.processes.items()}
+        dead = {sentinels[s] for s in multiprocessing.connection.wait(list(sentinels))}
+        if self._closed:
+            return
+        for rank, process in self.processes.items():
+            if rank not in dead and process.exitcode is None:
+                self._killed.add(rank)
+                process.kill()
 
     def _await(self, what: str, while_doing: str) -> None:
-        """Wait for every spawned worker to post `what`, in small sleeps that Ctrl-C can
-        interrupt, failing as soon as one of them dies."""
+        """Wait for every spawned worker to post `what`, failing as soon as one dies."""
         waiting = set(self.processes)
         while waiting:
             waiting -= {r for r in waiting if self._store.check([_KEY.format(what=what, rank=r)])}
@@ -298,10 +322,14 @@ class WorkerGroup:
             reasons = {}
             for rank in range(1, self.world_size):
                 process = self.processes.get(rank)
+                if process is not None and process.exitcode is None:
+                    continue  # a failing worker posts its error before it exits
                 error = _KEY.format(what="error", rank=rank)
                 if self._store is not None and self._store.check([error]):
                     reasons[rank] = "failed: " + self._store.get(error).decode()
-                elif process is not None and process.exitcode is not None:
+                elif rank in self._killed:
+                    continue  # a consequence, not a cause
+                elif process is not None:
                     reasons[rank] = _exit_reason(process.exitcode)
             if reasons or time.monotonic() >= deadline:
                 return reasons
@@ -342,25 +370,35 @@ def _init_group(store, rank: int, world_size: int, device: torch.device, timeout
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
-def _send(payload: bytes, group, timeout: float | None = None) -> None:
-    """Two broadcasts from rank 0: the length (0 means stop), then the pickled bytes."""
-    works = [dist.broadcast(torch.tensor([len(payload)]), src=0, group=group, async_op=True)]
-    if payload:
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        works.append(dist.broadcast(data, src=0, group=group, async_op=True))
+def _send(payload: bytearray, group, timeout: float | None = None) -> None:
+    """Broadcast from rank 0 one buffer holding the length (0 means stop) and the first
+    _INLINE bytes, then the rest if any: most steps take one round trip, not two."""
+    head = torch.zeros(_LENGTH + _INLINE, dtype=torch.uint8)
+    head[:_LENGTH].view(torch.int64)[0] = len(payload)
+    inline = min(len(payload), _INLINE)
+    if inline:
+        head[_LENGTH : _LENGTH + inline] = torch.frombuffer(payload[:inline], dtype=torch.uint8)
+    works = [dist.broadcast(head, src=0, group=group, async_op=True)]
+    if len(payload) > _INLINE:
+        rest = torch.frombuffer(payload[_INLINE:], dtype=torch.uint8)
+        works.append(dist.broadcast(rest, src=0, group=group, async_op=True))
     for work in works:
         work.wait(datetime.timedelta(seconds=timeout)) if timeout else work.wait()
 
 
 def _receive(group):
     """The next message from rank 0, or _STOP."""
-    length = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(length, src=0, group=group)
-    if length.item() == _STOP:
+    head = torch.empty(_LENGTH + _INLINE, dtype=torch.uint8)
+    dist.broadcast(head, src=0, group=group)
+    length = int(head[:_LENGTH].view(torch.int64).item())
+    if length == _STOP:
         return _STOP
-    data = torch.empty(int(length.item()), dtype=torch.uint8)
-    dist.broadcast(data, src=0, group=group)
-    return pickle.loads(data.numpy().tobytes())
+    payload = head[_LENGTH : _LENGTH + min(length, _INLINE)].numpy().tobytes()
+    if length > _INLINE:
+        rest = torch.empty(length - _INLINE, dtype=torch.uint8)
+        dist.broadcast(rest, src=0, group=group)
+        payload += rest.numpy().tobytes()
+    return pickle.loads(payload)
 
 
 def _spawned(rank, world_size, port, device, threads, make_handler, args, timeout, parent):
@@ -385,6 +423,7 @@ def _serve(store, rank, world_size, device, threads, make_handler, args, timeout
     except Exception as e:
         traceback.print_exc()
         failure = f"{type(e).__name__}: {e}"
+        store.set(_KEY.format(what="error", rank=rank), failure)
     store.set(_KEY.format(what="built", rank=rank), "")
     failures: list = [None] * world_size
     dist.all_gather_object(failures, failure, group=messages)
