@@ -283,7 +283,6 @@ def test_torchrun():
         text=True,
         timeout=120,
     )
-    assert run.returncode == 0, run.stderr
-    # torchrun gives each rank OMP_NUM_THREADS=1
-    assert "sum [3, 2, 1, 0]\nsum [6, 4, 1, 0]\n" in run.stdout
-    assert "rank 1 pid" in run.stdout and "rank 0 pid" in run.stdout
+    assert run.returncode == 0, run.stderr  # torchrun's, and so every rank's
+    # from rank 0, before the other rank prints anything; torchrun sets OMP_NUM_THREADS=1
+    assert run.stdout.startswith("pids\nsum [3, 2, 1, 0]\nsum [6, 4, 1, 0]\n")

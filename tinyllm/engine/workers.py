@@ -9,11 +9,13 @@ Two process groups: the default one (gloo on CPU, NCCL on CUDA) belongs to the h
 collectives, with a timeout; a gloo group carries the messages, because a worker waits on it
 for as long as the engine is idle, and NCCL cannot send pickled objects without a device copy.
 
-Death is seen three ways. A process that dies closes its sockets, so a pending gloo send,
-receive or all-reduce on any rank fails at once ("Connection closed by peer"); rank 0 then names
-the dead rank from its exit code (ranks it spawned) and from the error text that a failing
-worker leaves in the store before it exits (any rank, torchrun too). A worker whose parent
-exits notices within half a second (its parent pid changes) and exits too. And `check()` reads
+How death is seen. A process that dies closes its sockets, so a gloo send, receive or
+all-reduce waiting on it fails at once ("Connection closed by peer"), and a worker whose own
+collective fails exits too. Only the ranks waiting on the dead one notice, though: so when a
+worker it spawned exits unasked, rank 0 kills the others, and its own collective fails. Rank 0
+names the dead rank from its exit code (ranks it spawned) and from the error text that a
+failing worker leaves in the store before it exits (any rank, torchrun too). A worker whose
+parent exits notices within half a second (its parent pid changes) and exits. `check()` reads
 exit codes and posted errors without waiting, for a health check.
 
 On one host `WorkerGroup.start` spawns the workers. Under torchrun every rank is started by
@@ -150,11 +152,11 @@ class WorkerGroup:
         if world_size == 1:
             return group
         group._claim_default_group()
-        group._store = dist.TCPStore(
-            "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=timeout
-        )
         spawn = mp.get_context("spawn")
         try:
+            group._store = dist.TCPStore(
+                "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=timeout
+            )
             for rank in range(1, world_size):
                 work = (rank, world_size, group._store.port, rank_device(device, rank))
                 setup = (group.threads, make_handler, args, timeout, os.getpid())
@@ -191,8 +193,8 @@ class WorkerGroup:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         group = cls(world_size, threads or rank_threads(local), timeout)
         group._claim_default_group()
-        group._store = _env_store(0, world_size, timeout)
         try:
+            group._store = _env_store(0, world_size, timeout)
             group._join(rank_device(device, int(os.environ.get("LOCAL_RANK", 0))))
         except BaseException:
             group.close()
@@ -433,7 +435,7 @@ def _serve(store, rank, world_size, device, threads, make_handler, args, timeout
         try:
             obj = _receive(messages)
         except Exception as e:
-            print(f"tensor-parallel rank {rank}: rank 0 is gone ({e}); exiting", file=sys.stderr)
+            print(f"tensor-parallel rank {rank}: lost rank 0's messages: {e}", file=sys.stderr)
             _exit(1)
         if obj is _STOP:
             break
