@@ -1,5 +1,6 @@
 """Toy tensor-parallel handlers for tests/test_workers.py, in a module the spawned workers can
-import; run as a script it is one rank of a small job (rank 0 reports what it saw)."""
+import. `python -m tests.tp_handlers MODE` is rank 0 of two (spawning the other), or either rank
+under torchrun; rank 0 prints the workers' pids and what it saw."""
 
 import argparse
 import atexit
@@ -49,7 +50,7 @@ def make_failing_handler(rank: int, world_size: int, device: torch.device, text:
 
 
 def _rank0(group: WorkerGroup, mode: str) -> None:
-    """Prints the workers' pids, then waits (to be killed or interrupted) or runs two steps."""
+    """Prints the workers' pids, then runs two steps or waits to be killed or interrupted."""
     print("pids", *(p.pid for p in group.processes.values()), flush=True)
     handler = SumHandler(0)
     if mode == "steps":
@@ -57,7 +58,7 @@ def _rank0(group: WorkerGroup, mode: str) -> None:
             print("sum", group.execute({"i": i, "value": i + 1}, handler).tolist(), flush=True)
         group.close()
     elif mode == "mid-step":  # rank 0 stays out of the step's all-reduce
-        group.execute({"i": 0, "value": 1, "sleep": 0}, lambda message: time.sleep(60))
+        group.execute({"i": 0, "value": 1}, lambda message: time.sleep(60))
     else:
         time.sleep(60)
 
@@ -69,8 +70,7 @@ def _exit_codes(groups: list[WorkerGroup]) -> list:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["building", "idle", "mid-step", "steps"])
-    parser.add_argument("--world-size", type=int, default=2)
-    mode, world_size = parser.parse_args().mode, parser.parse_args().world_size
+    mode = parser.parse_args().mode
     rank, cpu = torchrun_rank(), torch.device("cpu")
     started: list[WorkerGroup] = []
     # registered before the group's own close, so it runs after it
@@ -78,11 +78,11 @@ def main() -> None:
     if rank:
         run_worker(cpu, make_sum_handler)
     elif rank == 0:
-        started.append(WorkerGroup.attach(world_size, cpu))
+        started.append(WorkerGroup.attach(2, cpu))
         _rank0(started[0], mode)
     else:
         make = make_slow_handler if mode == "building" else make_sum_handler
-        started.append(WorkerGroup.start(world_size, cpu, make))
+        started.append(WorkerGroup.start(2, cpu, make))
         _rank0(started[0], mode)
     print("rank", rank, "pid", os.getpid(), "done", flush=True)
 
