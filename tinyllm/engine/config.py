@@ -64,7 +64,8 @@ class EngineConfig:
     kv_cache: str = "paged"  # "paged", or "slot": one block of max_model_len tokens per request
     block_size: int = 16
     num_blocks: int | None = None  # None: as many as kv_cache_memory holds
-    kv_cache_memory: int = 2 << 30  # bytes of K and V, all layers
+    # Bytes of K and V, all layers; per rank under tensor parallelism (each holds its KV heads).
+    kv_cache_memory: int = 2 << 30
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's context length
     # Tokens one step runs: decode tokens plus prefill chunks. A prompt longer than what is left
@@ -77,6 +78,8 @@ class EngineConfig:
     # How the decoder layers run: "fused" (C++ ops, CPU), "modules" or "auto"; see
     # tinyllm.engine.layer_executor
     layer_executor: str = "auto"
+    # Ranks the model is split over (engine/workers.py): this process and N - 1 workers.
+    tensor_parallel_size: int = 1
     seed: int = 0
     # Speculative decoding (engine/speculative.py): vLLM's dict, e.g. {"method": "ngram",
     # "num_speculative_tokens": 5}, its JSON text, or a SpeculativeConfig; None: off.
@@ -86,7 +89,8 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.kv_cache not in ("paged", "slot"):
             raise ValueError(f"kv_cache={self.kv_cache!r}: choose 'paged' or 'slot'")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory")
+        for name in (*positive, "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("num_blocks", "max_model_len"):

@@ -1,9 +1,11 @@
 """The engine: add requests any time, call step() until they finish.
 
 One step: the scheduler decides how many tokens each request runs (decodes and prefill chunks
-under one token budget, every block allocated and every preemption decided up front); the model
-runner runs them as one flat batch and samples for the requests whose tokens are all computed;
-the output processor turns the new tokens into text and outputs.
+under one token budget, every block allocated and every preemption decided up front) and says
+so in a message of data (engine/step_message.py); the model runner runs it as one flat batch
+and samples for the requests whose tokens are all computed; the output processor turns the new
+tokens into text and outputs. Under tensor parallelism the same message goes to every rank's
+runner (engine/workers.py, engine/tp_worker.py) and rank 0's samples.
 """
 
 import dataclasses
@@ -11,6 +13,7 @@ import itertools
 import logging
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from llguidance import LLMatcher
 
@@ -18,7 +21,7 @@ from tinyllm.engine.config import EngineConfig
 from tinyllm.engine.grammar import GrammarMasks, StructuredOutputCompiler
 from tinyllm.engine.kv_cache_manager import KVCacheManager
 from tinyllm.engine.memory import available_bytes
-from tinyllm.engine.model_runner import ModelRunner, kv_bytes_per_token
+from tinyllm.engine.model_runner import RunnerSpec, kv_bytes_per_token
 from tinyllm.engine.output_processor import OutputProcessor, TokenUpdate
 from tinyllm.engine.outputs import RequestOutput
 from tinyllm.engine.parent_request import ParentRequest, child_params
@@ -28,10 +31,12 @@ from tinyllm.engine.scheduler import Scheduler
 from tinyllm.engine.speculative import SpecStats, Speculator
 from tinyllm.engine.step_message import ModelRunnerOutput, SchedulerOutput
 from tinyllm.engine.validation import check_token_ids
-from tinyllm.model.attention import get_backend
 from tinyllm.model.llama import Transformer
 from tinyllm.model.quant import describe_weights
 from tinyllm.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # torch.distributed's import is for tensor-parallel runs only
+    from tinyllm.engine.workers import WorkerGroup
 
 log = logging.getLogger("tinyllm")
 
@@ -117,7 +122,15 @@ def cache_key(model: Transformer) -> str:
 
 
 class LLMEngine:
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineConfig):
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        config: EngineConfig,
+        workers: "WorkerGroup | None" = None,
+    ):
+        """`workers`: under tensor parallelism, the other ranks (`model` is rank 0's part);
+        the engine closes them (`close`)."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.max_model_len = min(
             config.max_model_len or model.config.max_position_embeddings,
@@ -130,10 +143,16 @@ class LLMEngine:
         if self.kv.capacity_tokens < self.max_model_len:
             self.max_model_len = self.kv.capacity_tokens
             self._context_is = "max_model_len, cut to what the KV cache holds"
-        backend = get_backend(config.attention_backend, model.device)
-        self.runner = ModelRunner(
-            model, self.kv.num_blocks, self.kv.block_size, backend, config.layer_executor
+        spec = RunnerSpec(
+            self.kv.num_blocks, self.kv.block_size, config.attention_backend, config.layer_executor
         )
+        self.runner = spec.build(model)
+        self.workers = workers
+        if workers is not None:
+            workers.broadcast(spec)
+        # Why the engine cannot run another step (a tensor-parallel rank died or the ranks went
+        # out of step); None while it can.
+        self.dead: str | None = None
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.output_processor = OutputProcessor(tokenizer)
         self.grammars = StructuredOutputCompiler(tokenizer, model.config.vocab_size)
@@ -287,9 +306,16 @@ class LLMEngine:
         """Forget every cached block, e.g. after changing the weights; how many."""
         return self.kv.reset_prefix_cache()
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; also done at exit)."""
+        if self.workers is not None:
+            self.workers.close()
+
     # -- one step -------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.dead is not None:
+            raise RuntimeError(f"the engine cannot run: {self.dead}")
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
@@ -323,8 +349,10 @@ class LLMEngine:
         """Run the step's batch; if it fails, run each request alone, so an error ends only
         the requests it concerns (with an error output), and the others go on."""
         try:
-            result = self.runner.execute_model(out)
+            result = self._execute(out)
         except Exception:
+            if self.dead is not None:
+                raise
             if len(out.num_scheduled_tokens) == 1:
                 [req_id] = out.num_scheduled_tokens
                 log.exception("request %s failed in a step", req_id)
@@ -333,6 +361,19 @@ class LLMEngine:
                 return self._finish(self.requests[req_id], update)
             return [o for req_id in out.num_scheduled_tokens for o in self._run(out.only(req_id))]
         return self._update_from_output(out, result)
+
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        if self.workers is None:
+            return self.runner.execute_model(out)
+        # Rank 0 builds its batch first: a failure there stops the step before any rank starts.
+        batch = self.runner.prepare_inputs(out)
+        try:
+            return self.workers.execute(out, lambda msg: self.runner.execute_batch(batch, msg))
+        except Exception as e:
+            # Some ranks may be inside a collective that the others left: no later step could
+            # be trusted to pair them up again.
+            self.dead = f"a tensor-parallel step failed ({type(e).__name__}: {e})"
+            raise
 
     def _update_from_output(
         self, out: SchedulerOutput, result: ModelRunnerOutput

@@ -27,7 +27,7 @@ from tinyllm.engine.outputs import TokenLogprob
 from tinyllm.engine.sampler import Sampler
 from tinyllm.engine.sampling_params import SamplingParams
 from tinyllm.engine.step_message import ModelRunnerOutput, SchedulerOutput
-from tinyllm.model.attention import AttentionBackend, AttentionMetadata, ForwardContext
+from tinyllm.model.attention import AttentionBackend, AttentionMetadata, ForwardContext, get_backend
 from tinyllm.model.llama import Transformer
 
 _PROMPT_LOGITS_ROWS = 128  # prompt positions per LM-head call (see _prompt_logprobs)
@@ -66,6 +66,23 @@ class StepBatch:
     prompt_targets: list[tuple[CachedRequestState, int, int]]
 
 
+@dataclass(frozen=True)
+class RunnerSpec:
+    """What builds a runner, the same on every tensor-parallel rank: rank 0's engine sizes the
+    pool and sends this to the others."""
+
+    num_blocks: int
+    block_size: int
+    attention_backend: str
+    layer_executor: str
+
+    def build(self, model: Transformer, samples: bool = True) -> "ModelRunner":
+        backend = get_backend(self.attention_backend, model.device)
+        return ModelRunner(
+            model, self.num_blocks, self.block_size, backend, self.layer_executor, samples
+        )
+
+
 def kv_bytes_per_token(model: Transformer) -> int:
     c = model.config
     return 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
@@ -79,9 +96,13 @@ class ModelRunner:
         block_size: int,
         backend: AttentionBackend,
         layer_executor: str = "auto",
+        samples: bool = True,
     ):
-        """`layer_executor`: how the layers run (tinyllm.engine.layer_executor), decided here."""
+        """`layer_executor`: how the layers run (tinyllm.engine.layer_executor), decided here.
+        `samples`: False on a tensor-parallel rank other than 0, which runs the layers with the
+        others but leaves the LM head and sampling to rank 0."""
         self.model, self.backend, self.block_size = model, backend, block_size
+        self.samples = samples
         self.fused_layers = choose_layer_executor(layer_executor, model, backend) == "fused"
         c = model.config
         self.device = model.device
@@ -102,9 +123,14 @@ class ModelRunner:
         for the requests whose tokens are now all computed (a finished prompt or a decode), the
         drafts the model accepted, then one token of its own; and the prompt logprobs computed.
         Advancing `num_computed_tokens` (past the accepted drafts only) is the scheduler's."""
-        batch = self.prepare_inputs(out)
+        return self.execute_batch(self.prepare_inputs(out), out)
+
+    def execute_batch(self, batch: StepBatch, out: SchedulerOutput) -> ModelRunnerOutput:
+        """`execute_model` after `prepare_inputs`: the forward pass and the sampling."""
         hidden = self.model(batch.input_ids, batch.positions, batch.ctx)
         result = ModelRunnerOutput()
+        if not self.samples:
+            return result
         if batch.prompt_targets:
             result.prompt_logprobs = self._prompt_logprobs(hidden, batch.prompt_targets)
         if batch.sampling:  # else only prompt chunks ran: no row to sample, no LM head to run

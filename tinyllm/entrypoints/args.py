@@ -1,6 +1,7 @@
 """Engine options shared by every command, and building an `LLM` from them."""
 
 import argparse
+import os
 
 from tinyllm.entrypoints.generation_config import GENERATION_CONFIGS
 from tinyllm.entrypoints.threads import default_threads
@@ -126,6 +127,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "fused where it can run",
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=positive_int,
+        default=1,
+        help="split the model over N ranks: this process and N-1 workers on this host, or the "
+        "N processes torchrun starts (docs/INFERENCE.md, 'Tensor parallelism'); each rank gets "
+        "its share of --threads",
+    )
+    p.add_argument(
         "--generation-config",
         default="auto",
         choices=GENERATION_CONFIGS,
@@ -138,8 +148,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=None,
         help="torch CPU threads (default: OMP_NUM_THREADS if set, else the cores this process "
-        f"may use: {default_threads()} here)",
+        f"may use: {default_threads()} here), shared by the tensor-parallel ranks on this host",
     )
+
+
+def rank_threads(args: argparse.Namespace) -> int:
+    """Each tensor-parallel rank's share of the threads on this host, at least one."""
+    threads = default_threads() if args.threads is None else args.threads
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", args.tensor_parallel_size))
+    return max(1, threads // ranks)
 
 
 def build_llm(args: argparse.Namespace):
@@ -152,7 +169,7 @@ def build_llm(args: argparse.Namespace):
         quantization=args.quantization,
         load_format=args.load_format,
         device=args.device,
-        threads=default_threads() if args.threads is None else args.threads,
+        threads=rank_threads(args),
         generation_config=args.generation_config,
         kv_cache=args.kv_cache,
         block_size=args.block_size,
@@ -164,7 +181,22 @@ def build_llm(args: argparse.Namespace):
         attention_backend=args.attention_backend,
         speculative_config=args.speculative_config,
         layer_executor=args.layer_executor,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
+
+
+def run_torchrun_worker(args: argparse.Namespace) -> None:
+    """A rank other than 0 under torchrun: the same command line as rank 0's, but this process
+    only loads its part of the model and runs rank 0's steps until rank 0 stops."""
+    from tinyllm.engine.tp_worker import make_worker
+    from tinyllm.engine.workers import run_worker
+    from tinyllm.entrypoints.llm import resolve_device
+    from tinyllm.loaders.model_loader import LoadConfig
+
+    config = LoadConfig(
+        args.model, args.dtype, args.quantization, args.load_format, args.max_model_len
+    )
+    run_worker(resolve_device(args.device), make_worker, (config,), rank_threads(args))
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, object]:

@@ -6,6 +6,7 @@ import dataclasses
 import faulthandler
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -14,7 +15,7 @@ from tqdm import tqdm
 
 from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from tinyllm.engine.structured_output import StructuredOutputsParams
-from tinyllm.entrypoints.args import add_engine_args, build_llm
+from tinyllm.entrypoints.args import add_engine_args, build_llm, run_torchrun_worker
 from tinyllm.entrypoints.bench.args import add_bench_args
 from tinyllm.entrypoints.generation_config import DEFAULT_MAX_TOKENS
 from tinyllm.entrypoints.workloads import WORKLOADS
@@ -297,8 +298,13 @@ def main(argv: list[str] | None = None) -> int:
     # prints where each thread was, so the log shows what was running instead of nothing.
     with contextlib.suppress(ValueError):  # io.UnsupportedOperation: stderr is not a file
         faulthandler.enable(all_threads=True)
+    # Under torchrun every rank runs this command line; the ranks other than 0 serve rank 0.
+    torchrun_worker = int(os.environ.get("RANK", 0)) > 0 and hasattr(args, "tensor_parallel_size")
     try:
-        args.func(args)
+        if torchrun_worker:
+            run_torchrun_worker(args)
+        else:
+            args.func(args)
     except KeyboardInterrupt:
         return 130
     except (ValueError, FileNotFoundError, OSError) as e:

@@ -12,10 +12,13 @@ from tinyllm.engine.engine import LLMEngine
 from tinyllm.engine.outputs import RequestOutput
 from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from tinyllm.engine.structured_output import StructuredOutputsParams
+from tinyllm.engine.tp_worker import start_workers
+from tinyllm.engine.workers import rank_threads
 from tinyllm.entrypoints.generation_config import check_generation_config, default_sampling
 from tinyllm.entrypoints.threads import set_threads, warn_if_oversubscribed
 from tinyllm.loaders.model_loader import LoadConfig, load_model
 from tinyllm.model.config import ModelLoadError
+from tinyllm.model.tensor_parallel import apply_tp
 from tinyllm.text.tool_calls import parse_tool_calls
 from tinyllm.text.tool_grammar import tool_choice_grammar
 
@@ -57,7 +60,8 @@ class LLM:
         load_format: str = "auto",
         **engine_args,
     ):
-        """`threads`: torch's CPU threads (None: torch's own choice, OMP_NUM_THREADS if set).
+        """`threads`: torch's CPU threads (None: torch's own choice, OMP_NUM_THREADS if set;
+        under tensor parallelism, each rank's: None gives each rank its share of the cores).
         `generation_config`: "auto" for the model's recommended sampling defaults (see
         get_default_sampling_params), "vllm" for SamplingParams' neutral ones.
         `load_format`: "dummy" builds `model` (a config.json, or a name from
@@ -69,11 +73,15 @@ class LLM:
         load_config = LoadConfig(
             model, dtype, quantization, load_format, engine_config.max_model_len
         )
+        tp = engine_config.tensor_parallel_size
+        if tp > 1 and threads is None:
+            threads = rank_threads(tp)
         if threads is not None:
             set_threads(threads)
         if dev.type == "cpu":
             warn_if_oversubscribed(torch.get_num_threads())
-        loaded = load_model(load_config, dev)
+        # Rank 0's part first: a model that does not split fails here, before any worker.
+        loaded = load_model(load_config, dev, 0, tp)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.default_sampling = default_sampling(generation_config, loaded.path, loaded.reader)
@@ -84,7 +92,20 @@ class LLM:
                 f"{loaded.path}: its recommended sampling settings are invalid ({e}); "
                 "use generation_config='vllm' (--generation-config vllm)"
             ) from None
-        self.engine = LLMEngine(loaded.model, loaded.tokenizer, engine_config)
+        workers = None
+        if tp > 1:  # the other ranks, each loading its own part
+            workers = start_workers(tp, dev, load_config, threads)
+            apply_tp(loaded.model)
+        try:
+            self.engine = LLMEngine(loaded.model, loaded.tokenizer, engine_config, workers)
+        except BaseException:
+            if workers is not None:
+                workers.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any; also done at exit."""
+        self.engine.close()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate and chat use when given no SamplingParams: the model's recommended

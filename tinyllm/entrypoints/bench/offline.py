@@ -242,11 +242,12 @@ def fresh_engine(llm: "LLM", **changes: object) -> "LLM":
     """The same model behind a fresh engine, its config with `changes` (the old one's KV memory
     is let go first: two pools of the default 2 GiB need not fit at once). A baseline runs on
     one, so that it too starts with a pool whose pages the OS has yet to map, as the first run
-    did: on `offline` the first touch of ~600 MB of KV pages costs seconds."""
+    did: on `offline` the first touch of ~600 MB of KV pages costs seconds. Tensor-parallel
+    workers stay, and build a fresh runner too."""
     other = copy.copy(llm)
     config = dataclasses.replace(llm.engine.config, **changes)
-    model, llm.engine = llm.engine.model, None
-    other.engine = LLMEngine(model, llm.tokenizer, config)
+    engine, llm.engine = llm.engine, None
+    other.engine = LLMEngine(engine.model, llm.tokenizer, config, engine.workers)
     return other
 
 

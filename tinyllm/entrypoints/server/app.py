@@ -161,11 +161,14 @@ def serve(args: argparse.Namespace) -> None:
         log.warning("serving on %s without an API key: whoever reaches it can use it", args.host)
     # Our handlers log one line per request; uvicorn's access log would be a second. On Ctrl-C,
     # streams still open after a few seconds are cancelled (which aborts them in the engine).
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level="info",
-        access_log=False,
-        timeout_graceful_shutdown=5,
-    )
+    try:
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="info",
+            access_log=False,
+            timeout_graceful_shutdown=5,
+        )
+    finally:
+        llm.close()

@@ -150,7 +150,9 @@ class EngineLoop:
             self._tracked.clear()
             for request_id in [*self.engine.parents, *self.engine.requests]:
                 self.engine.abort(request_id)
-            if self.engine.has_unfinished():  # its queues no longer match its requests
+            # The engine cannot step again (a tensor-parallel rank died), or its queues no
+            # longer match its requests: the loop ends and /health says why.
+            if self.engine.dead is not None or self.engine.has_unfinished():
                 raise
             return []
 
