@@ -3,13 +3,15 @@ N - 1 worker processes, each loads its part of the model and runs every step's m
 rank 0, which samples. Greedy outputs are those of one process (compared as vLLM compares
 two correct runs: the ranks add the row-parallel partial sums in another order, which may
 flip a near-tie), on the default model at TP=3 in its default int4 configuration (a prompt
-longer than the step's budget, preemption, an abort) and on a small random Llama at TP=2 in
-dense fp32 and int4. A worker that dies ends the engine with an error naming it, the server's
-/health turns 503, and no process is left behind."""
+longer than the step's budget, preemption, an abort, prefix-cache hits) and on a small random
+Llama at TP=2 in dense fp32 and int4. A worker that dies ends the engine with an error naming
+it, the server's /health turns 503, and no process is left behind."""
 
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -71,7 +73,15 @@ class TestDefaultModelAtTP3:
         ref = run_all(_engine(default_config_llm), _prompts(), GREEDY)
         engine = _engine(tp3)
         assert engine.model.config.num_kv_heads == 1 and len(engine.workers.processes) == 2
-        _assert_same_greedy(ref, run_all(engine, _prompts(), GREEDY), near_tie=None)
+        first = run_all(engine, _prompts(), GREEDY)
+        _assert_same_greedy(ref, first, near_tie=None)
+        # Again on the same engine: the prompts' blocks come from the prefix cache, on every
+        # rank at once (one block table), and the tokens are the same bits.
+        again = run_all(engine, _prompts(), GREEDY)
+        assert all(o.num_cached_tokens > 0 for o in again)
+        for a, b in zip(first, again, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
     def test_under_preemption_and_aborts(self, tp3, default_config_llm):
         """A pool too small for the three requests preempts and recomputes; an aborted request
@@ -151,3 +161,17 @@ def test_sizes_that_do_not_split_are_refused_at_start(default_gguf_path):
     with pytest.raises(ValueError, match="num_heads 9, num_kv_heads 3 do not divide by .* 2"):
         LLM(str(default_gguf_path), tensor_parallel_size=2)
     _no_workers_left()
+
+
+def test_the_command_line_runs_it():
+    """README's first command with -tp 3: the same answer, from rank 0's part."""
+    r = subprocess.run(
+        [sys.executable, "-m", "tinyllm.entrypoints.cli", "generate", "-tp", "3"]
+        + ["What is the capital of France?"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "The capital of France is Paris."
+    assert "(rank 0 of 3's part)" in r.stderr
