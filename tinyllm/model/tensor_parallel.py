@@ -11,10 +11,14 @@ and world size; the split is loaders/sharding.py's, Megatron-LM's):
   (ModelConfig.shard).
 - o_proj and down_proj are row-parallel: a rank multiplies its share of their input columns,
   so its output is a partial sum of the layer's. apply_tp sets each decoder layer's
-  `all_reduce` hook to an in-place torch.distributed.all_reduce over `group`, which both layer
-  executors (DecoderLayer.forward and forward_fused) call on those outputs before the residual
-  add. After it every rank holds the same sum (an all-reduce gives every rank the same bits),
-  so the residual stream, the norms and the final hidden states are the same on every rank.
+  `all_reduce` hook to `reduce_in_rank_order` over `group`, which both layer executors
+  (DecoderLayer.forward and forward_fused) call on those outputs before the residual add: every
+  rank gathers every rank's part and adds them in rank order, in fp32, rounding once to the
+  activations' dtype. So every rank holds the same bits, and a token's bits do not depend on
+  what shares its step, as without tensor parallelism (docs/INFERENCE.md, "The same request
+  gives the same bits"): gloo's all-reduce adds in an order that depends on the tensor's size
+  (its chunks), and in bf16 it rounds after each addition; a prefix-cache hit, which runs a
+  shorter chunk, then gave other logprobs than the full prompt.
 - The embeddings and the LM head are replicated, as the loader reads them (loaders/sharding.py
   says why: splitting them by vocabulary would save each rank vocab x hidden of memory but add
   an all-reduce of the embeddings and a gather of the logits to every step). Sampling happens
@@ -30,9 +34,24 @@ None check on each of its two outputs.
 
 from functools import partial
 
+import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from tinyllm.model.llama import Transformer
+
+
+def reduce_in_rank_order(x: Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """x <- the sum of every rank's x, added in rank order in fp32: the same bits on every
+    rank, whatever x's size. An all-gather moves world_size times a decode row's few KB where
+    an all-reduce moves about twice: on the CPU the call's latency, not its bytes, is the cost
+    (docs/INFERENCE.md, "Tensor parallelism on a CPU")."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    total = parts[0].float()
+    for part in parts[1:]:
+        total += part
+    x.copy_(total)
 
 
 def apply_tp(model: Transformer, group: dist.ProcessGroup | None = None) -> Transformer:
@@ -47,5 +66,5 @@ def apply_tp(model: Transformer, group: dist.ProcessGroup | None = None) -> Tran
         )
     if world_size > 1:
         for layer in model.model.layers:
-            layer.all_reduce = partial(dist.all_reduce, group=group)
+            layer.all_reduce = partial(reduce_in_rank_order, group=group)
     return model
