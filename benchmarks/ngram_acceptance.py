@@ -8,7 +8,9 @@ accepted length, and accepted + 1 tokens made (the bound on tokens per forward p
 costs to verify k + 1 rows is the engine's question). The last column is tokens per step over
 the requests that ended at EOS only: the default model often falls into a loop until its
 max_tokens, which n-gram lookup predicts perfectly, so the all-requests figure flatters what a
-model that answers well would get.
+model that answers well would get. A second table gives, at every output position, how often the
+first draft is the next token by the length of the longest match it comes from (when sampling,
+how often speculative sampling would accept it): a draft pays when that beats its cost.
 
     PYTHONPATH=. python benchmarks/ngram_acceptance.py --workload grounded --num-requests 16
     PYTHONPATH=. python benchmarks/ngram_acceptance.py --workload single
@@ -63,6 +65,24 @@ def replay(proposer: NgramProposer, prompt: list[int], output: list[int]) -> Rep
         r.accepted += accepted
         i += accepted + 1
     return r
+
+
+def by_match_length(outputs: list[tuple[list[int], list[int]]], longest: int) -> None:
+    """At every output position, the longest suffix match (1..longest) and whether the first
+    token it drafts is the next one."""
+    exact = [NgramProposer(1, n, n) for n in range(1, longest + 1)]
+    anywhere = NgramProposer(1, 1, longest)
+    hits, seen = [0] * (longest + 1), [0] * (longest + 1)
+    for prompt, output in outputs:
+        for i, token in enumerate(output):
+            context = prompt + output[:i]
+            n = sum(1 for p in exact if p.propose(context))  # an n-gram match implies shorter ones
+            if n:
+                seen[n] += 1
+                hits[n] += anywhere.propose(context) == [token]
+    print("first draft is the next token, by the longest match's length:")
+    for n in range(1, longest + 1):
+        print(f"  {n}: {hits[n]} of {seen[n]} ({hits[n] / max(seen[n], 1):.0%})")
 
 
 def main() -> None:
@@ -132,6 +152,11 @@ def main() -> None:
                     f"{total.tokens / total.steps:9.2f} {1e6 * total.seconds / total.steps:8.1f} "
                     f"{at_eos.tokens / max(at_eos.steps, 1):9.2f}"
                 )
+    pairs = [
+        (list(r.prompt_token_ids), list(o.outputs[0].token_ids))
+        for r, o in zip(requests, outs, strict=True)
+    ]
+    by_match_length(pairs, max(hi for _, hi in LOOKUPS))
 
 
 if __name__ == "__main__":

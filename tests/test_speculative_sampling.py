@@ -125,6 +125,28 @@ def test_drafts_come_from_the_context_and_stop_at_max_tokens():
     assert r.spec_token_ids == [4]
 
 
+def test_a_sampled_request_drafts_only_from_a_match_of_two_tokens():
+    """Random text matches single tokens by chance, and a sampled draft is accepted only with
+    its probability: a 1-token match drafts for a greedy request, not for a sampled one; a
+    2-token match drafts for both. Unless prompt_lookup_max allows only 1-token matches."""
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=3), max_model_len=100)
+    one, two = [9, 1, 7, 8, 4, 5, 1], [9, 4, 1, 7, 8, 6, 4, 1]  # ... 1 | ... 4, 1
+    sampled, greedy = SamplingParams(temperature=0.8), SamplingParams(temperature=0)
+    for params, context, drafts in [
+        (greedy, one, [7, 8, 4]),
+        (sampled, one, []),
+        (greedy, two, [7, 8, 6]),
+        (sampled, two, [7, 8, 6]),
+    ]:
+        r = _decoding(context[:-1], params, context[-1:])
+        spec.propose([r])
+        assert r.spec_token_ids == drafts, (params.temperature, context)
+    only_one = Speculator(SpeculativeConfig(prompt_lookup_max=1), max_model_len=100)
+    r = _decoding(one[:-1], sampled, one[-1:])
+    only_one.propose([r])
+    assert r.spec_token_ids == [7, 8, 4, 5, 1]
+
+
 @pytest.mark.parametrize(
     "params",
     [

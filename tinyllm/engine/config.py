@@ -14,7 +14,7 @@ class SpeculativeConfig:
     # decoding"): each draft a step verifies costs it 15-20% more on the default model.
     num_speculative_tokens: int = 6
     method: str = "ngram"
-    prompt_lookup_min: int = 1
+    prompt_lookup_min: int = 1  # a sampled request's is at least 2 (engine/speculative.py)
     prompt_lookup_max: int = 5
     # Above this many decoding requests in a step nothing is drafted: the weights are already
     # shared by enough rows (engine/speculative.py).

@@ -16,6 +16,10 @@ So it is skipped when it would not pay:
   about what a decode row costs: docs/INFERENCE.md), and one whose drafts were all rejected
   waits before it drafts again, twice as long after each miss, up to `_MAX_BACKOFF` steps:
   text with nothing to find costs little;
+- a sampled request (temperature > 0) drafts only from a match of at least
+  `_SAMPLED_LOOKUP_MIN` tokens: its draft t is accepted with probability p(t), not whenever t
+  is the argmax, and text with nothing to copy matches single tokens by chance, so a 1-token
+  match costs a sampled request more than it gains (docs/INFERENCE.md);
 - a step with more than `max_batch` decoding requests: the weights are already shared by
   enough rows.
 """
@@ -28,6 +32,7 @@ from tinyllm.engine.ngram_proposer import NgramProposer
 from tinyllm.engine.request import Request
 
 _MAX_BACKOFF = 16  # steps a request without accepted drafts waits, at most
+_SAMPLED_LOOKUP_MIN = 2  # the shortest match a sampled request drafts from
 
 
 @dataclass
@@ -55,9 +60,11 @@ class SpecStats:
 class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
         self.config, self.max_model_len = config, max_model_len
-        self.proposer = NgramProposer(
-            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
-        )
+        lo, hi = config.prompt_lookup_min, config.prompt_lookup_max
+        self.proposer = NgramProposer(config.num_speculative_tokens, lo, hi)
+        # Never beyond prompt_lookup_max: a user who asked for 1-token matches only gets them.
+        sampled_lo = min(max(lo, _SAMPLED_LOOKUP_MIN), hi)
+        self.sampled_proposer = NgramProposer(config.num_speculative_tokens, sampled_lo, hi)
         self.stats = SpecStats()
 
     def propose(self, running: list[Request]) -> None:
@@ -83,7 +90,8 @@ class Speculator:
         if room < 2:
             return []
         limit = min(room - 1, request.spec_limit or self.config.num_speculative_tokens)
-        return self.proposer.propose(request.all_token_ids, max_tokens=limit)
+        proposer = self.proposer if p.greedy else self.sampled_proposer
+        return proposer.propose(request.all_token_ids, max_tokens=limit)
 
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """A verified row: count it, set how many drafts the request gets next, and back off
