@@ -45,10 +45,10 @@ constexpr int64_t kBlock = 32;  // weights per scale
 constexpr float kFine = 254.f;  // q2's grid: 254 steps to one of q1's (|x - dx q1| <= dx / 2)
 constexpr int kMaxRows = 4;     // activation rows sharing one pass over a tile's codes
 // Records fetched ahead of use, into L2: at one activation row the kernel is bound by memory,
-// and the hardware prefetcher alone left a third of the bandwidth unused. Fetched into L1 (16
-// ahead, as before) each line held one of the core's few L1 miss buffers until it came; into
-// L2, more are in flight: a 1B model's decode linears ran 15-20% faster per thread
-// (docs/INFERENCE.md, "Real model shapes"); the kernel's own loads then find them in L2.
+// and the hardware prefetcher alone left a third of the bandwidth unused. Into L2 rather than
+// L1 (16 ahead, before), a 1B model's decode linears ran 15-20% faster per thread
+// (docs/INFERENCE.md, "Real model shapes"), likely as more lines can be in flight to L2 than
+// the L1's few miss buffers hold; the kernel's own loads then find them in L2.
 constexpr int64_t kAhead = 32;
 
 constexpr int64_t code_bytes(int bits) { return kRows * kBlock * bits / 8; }
