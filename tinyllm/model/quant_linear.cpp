@@ -44,9 +44,12 @@ constexpr int64_t kRows = 16;   // output rows per tile
 constexpr int64_t kBlock = 32;  // weights per scale
 constexpr float kFine = 254.f;  // q2's grid: 254 steps to one of q1's (|x - dx q1| <= dx / 2)
 constexpr int kMaxRows = 4;     // activation rows sharing one pass over a tile's codes
-// Records fetched ahead of use: at one activation row the kernel is bound by memory, and the
-// hardware prefetcher alone left a third of the bandwidth unused (benchmarks/linear_kernels.py).
-constexpr int64_t kAhead = 16;
+// Records fetched ahead of use, into L2: at one activation row the kernel is bound by memory,
+// and the hardware prefetcher alone left a third of the bandwidth unused. Into L2 rather than
+// L1 (16 ahead, before), a 1B model's decode linears ran 15-20% faster per thread
+// (docs/INFERENCE.md, "Real model shapes"), likely as more lines can be in flight to L2 than
+// the L1's few miss buffers hold; the kernel's own loads then find them in L2.
+constexpr int64_t kAhead = 32;
 
 constexpr int64_t code_bytes(int bits) { return kRows * kBlock * bits / 8; }
 constexpr int64_t record_bytes(int bits) { return code_bytes(bits) + 2 * kRows * 2; }
@@ -95,7 +98,7 @@ template <int BITS>
 inline void prefetch(const uint8_t* rec) {
   const char* ahead = reinterpret_cast<const char*>(rec + kAhead * record_bytes(BITS));
   for (int64_t line = 0; line < record_bytes(BITS); line += 64) {
-    _mm_prefetch(ahead + line, _MM_HINT_T0);
+    _mm_prefetch(ahead + line, _MM_HINT_T1);
   }
 }
 #endif
