@@ -5,6 +5,7 @@ under torchrun; rank 0 prints the workers' pids and what it saw."""
 import argparse
 import atexit
 import os
+import signal
 import time
 
 import torch
@@ -68,6 +69,9 @@ def _exit_codes(groups: list[WorkerGroup]) -> list:
 
 
 def main() -> None:
+    # Ctrl-C raises KeyboardInterrupt, as at a terminal, even when this runs under a shell's
+    # background job, which starts it with SIGINT ignored (Python keeps an ignored SIGINT).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["building", "idle", "mid-step", "steps"])
     mode = parser.parse_args().mode
