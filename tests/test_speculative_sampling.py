@@ -24,7 +24,8 @@ def _request(params: SamplingParams, prompt: list[int]) -> Request:
 def _sampled(params: SamplingParams, seed: int = 0) -> CachedRequestState:
     """A request as the sampler sees it: the model runner's state of it."""
     prompt = [5, 6, 7]
-    return CachedRequestState("r", prompt, params, torch.Generator().manual_seed(seed), prompt, [])
+    generator = torch.Generator().manual_seed(seed)
+    return CachedRequestState("r", len(prompt), params, generator, prompt, [])
 
 
 def _target(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

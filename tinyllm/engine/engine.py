@@ -143,13 +143,13 @@ class LLMEngine:
         if self.kv.capacity_tokens < self.max_model_len:
             self.max_model_len = self.kv.capacity_tokens
             self._context_is = "max_model_len, cut to what the KV cache holds"
-        spec = RunnerSpec(
+        runner_spec = RunnerSpec(
             self.kv.num_blocks, self.kv.block_size, config.attention_backend, config.layer_executor
         )
-        self.runner = spec.build(model)
+        self.runner = runner_spec.build(model)
         self.workers = workers
         if workers is not None:
-            workers.broadcast(spec)
+            workers.broadcast(runner_spec)
         # Why the engine cannot run another step (a tensor-parallel rank died or the ranks went
         # out of step); None while it can.
         self.dead: str | None = None

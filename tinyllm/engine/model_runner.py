@@ -39,7 +39,7 @@ class CachedRequestState:
     preempted request keeps it: its generator goes on where it was)."""
 
     req_id: str
-    prompt_token_ids: list[int]
+    num_prompt_tokens: int
     params: SamplingParams
     generator: torch.Generator  # CPU, seeded per request
     token_ids: list[int]  # prompt and output
@@ -48,8 +48,12 @@ class CachedRequestState:
     num_prompt_logprobs: int = 1
 
     @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids) :]
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 @dataclass
@@ -171,7 +175,7 @@ class ModelRunner:
         for new in out.new_requests:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id,
-                list(new.prompt_token_ids),
+                len(new.prompt_token_ids),
                 new.params,
                 torch.Generator().manual_seed(new.seed),
                 list(new.prompt_token_ids),
@@ -196,12 +200,11 @@ class ModelRunner:
             start = out.num_computed_tokens[req_id]
             end = start + n
             draft = out.spec_token_ids.get(req_id, [])
-            num_prompt = len(req.prompt_token_ids)
             if req.params.prompt_logprobs is not None:
                 # Position p's logits give prompt token p + 1's logprob; those a recompute
                 # after preemption already has are not computed again.
                 first = max(start, req.num_prompt_logprobs - 1)
-                for p in range(first, min(end, num_prompt - 1)):
+                for p in range(first, min(end, req.num_prompt_tokens - 1)):
                     prompt_targets.append((req, len(ids) + p - start, req.token_ids[p + 1]))
             ids += req.token_ids[start:end] + draft
             positions += range(start, end)
