@@ -272,18 +272,66 @@ def run_at_level(level: str, check: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("level", ["avx2", "generic"])
+@pytest.mark.parametrize("level", ["avx512vnni", "avx2", "generic"])
 def test_other_instruction_set_levels_compute_the_same(level):
-    """The AVX2 path (u8 x s8 pairs in int16, 8-bit codes by their sign) and the portable one,
-    which this machine's own build does not run, on a machine that can run them."""
+    """The AVX512-VNNI path (on an AMX machine, whose own build runs it only below 5 rows), the
+    AVX2 one (u8 x s8 pairs in int16, 8-bit codes by their sign) and the portable one, which
+    this machine's own build does not run, on a machine that can run them."""
+    if level == "avx512vnni" and not torch.cpu.get_capabilities().get("avx512_vnni"):
+        pytest.skip("this CPU has no AVX512-VNNI")
     run_at_level(level, OTHER_LEVEL)
+
+
+def outputs_at_row_counts() -> list[torch.Tensor]:
+    """quant_linear's outputs at every row count from 1 to 17 (groups of 8 rows; a last group of
+    1-4 rows on the VNNI path, of 5-7 on tiles of their own), at one of a prefill's sizes, in
+    fp32 and bf16, for 4- and 8-bit weights whose K is not a multiple of 32."""
+    from tinyllm.model.quant import int4_groups, int8_groups, pack
+
+    gen = torch.Generator().manual_seed(3)
+    outputs = []
+    for bits, quantize in ((4, int4_groups), (8, int8_groups)):
+        g = quantize(torch.randn(72, 150, generator=gen))
+        for rows in (*range(1, 18), 61):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(rows, 150, generator=gen).to(dtype)
+                outputs.append(torch.ops.tinyllm.quant_linear(x, pack(g), 72, bits))
+    return outputs
+
+
+VNNI_OUTPUTS = """
+from tests.test_quant import outputs_at_row_counts
+
+torch.save(outputs_at_row_counts(), sys.argv[2])
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_amx_tiles_give_the_vnni_paths_bits(tmp_path):
+    """On a CPU with AMX, 5 rows and more run as tile products: each output must have the bits
+    the VNNI path gives it (the AVX512-VNNI build, in a fresh process), at every row count, so
+    that a row's tokens never depend on what shares its batch."""
+    if cpu_library.level() != "avx512amx":
+        pytest.skip("the library in use is not built for AMX")
+    assert cpu_library.library_error() is None
+    path = tmp_path / "vnni.pt"
+    done = subprocess.run(
+        [sys.executable, "-c", AT_LEVEL + VNNI_OUTPUTS, "avx512vnni", str(path)],
+        cwd=Path(__file__).parents[1],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    for ours, vnni in zip(outputs_at_row_counts(), torch.load(path), strict=True):
+        assert torch.equal(ours, vnni)
 
 
 def test_a_level_can_be_forced_but_not_misnamed(monkeypatch):
     monkeypatch.setenv("TINYLLM_CPU_LEVEL", "generic")
     assert cpu_library.level() == "generic"
     monkeypatch.setenv("TINYLLM_CPU_LEVEL", "avx9")
-    with pytest.raises(ValueError, match="TINYLLM_CPU_LEVEL='avx9': choose one of avx512vnni"):
+    with pytest.raises(ValueError, match="TINYLLM_CPU_LEVEL='avx9': choose one of avx512amx"):
         cpu_library.level()
 
 
@@ -295,6 +343,7 @@ AVX512_VNNI = dict.fromkeys(cpu_library.NEEDS["avx512vnni"], True)  # no AVX-VNN
     "capability,flags,forced,expected,missing",
     [
         ("AVX2", AVX2_ONLY, "avx512vnni", "avx2", "avx512_f, avx512_bw"),
+        ("AVX512", AVX512_VNNI, "avx512amx", "avx512vnni", "amx_tile, amx_int8"),
         ("AVX2", AVX2_ONLY, "avx2vnni", "avx2", "avx_vnni"),
         ("AVX512", AVX512_VNNI, "avx2vnni", "avx512vnni", "avx_vnni"),
         ("DEFAULT", {}, "avx2", "generic", "avx, avx2"),

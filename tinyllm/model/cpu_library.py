@@ -36,8 +36,15 @@ REASSOCIATE = ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 # Instruction-set levels the library is built for, best first. Named levels rather than
 # -march=native: torch caches the build by name, and a cache carried to a machine without the
 # build machine's extensions would crash on an illegal instruction. VNNI (int8 dot products)
-# makes levels of its own: quant_linear.cpp's fastest path.
+# and AMX (int8 tile products) make levels of their own: quant_linear.cpp's fastest paths.
 LEVELS = {
+    "avx512amx": [
+        "-march=x86-64-v4",
+        "-mavx512vnni",
+        "-mamx-tile",
+        "-mamx-int8",
+        "-mprefer-vector-width=512",
+    ],
     "avx512vnni": ["-march=x86-64-v4", "-mavx512vnni", "-mprefer-vector-width=512"],
     "avx512": ["-march=x86-64-v4", "-mprefer-vector-width=512"],
     "avx2vnni": ["-march=x86-64-v3", "-mavxvnni"],
@@ -50,6 +57,7 @@ LEVELS = {
 X86_64_V3 = ("avx", "avx2", "bmi", "bmi2", "f16c", "fma3", "lzcnt")
 X86_64_V4 = (*X86_64_V3, "avx512_f", "avx512_bw", "avx512_cd", "avx512_dq", "avx512_vl")
 NEEDS = {
+    "avx512amx": (*X86_64_V4, "avx512_vnni", "amx_tile", "amx_int8"),
     "avx512vnni": (*X86_64_V4, "avx512_vnni"),
     "avx512": X86_64_V4,
     "avx2vnni": (*X86_64_V3, "avx_vnni"),
@@ -84,7 +92,9 @@ def _detected() -> str:
     """The best level this CPU runs, as torch's own kernels detect it."""
     cap, has = torch.backends.cpu.get_cpu_capability(), torch.cpu.get_capabilities()
     if cap == "AVX512":
-        return "avx512vnni" if has.get("avx512_vnni") else "avx512"
+        if not has.get("avx512_vnni"):
+            return "avx512"
+        return "avx512amx" if has.get("amx_tile") and has.get("amx_int8") else "avx512vnni"
     if cap == "AVX2":
         return "avx2vnni" if has.get("avx_vnni") else "avx2"
     return "generic"
