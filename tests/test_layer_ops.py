@@ -104,7 +104,8 @@ def test_a_first_build_says_so_before_it_starts_and_when_done(monkeypatch, caplo
     files = len(cpu_library.SOURCES)
     assert start.startswith(f"compiling tinyllm's CPU kernels ({files} C++ files, for ")
     assert "once per machine: 15 s, a few minutes on a busy machine" in start
-    assert re.fullmatch(r"tinyllm's CPU kernels compiled in \d+\.\d s", done)
+    level = cpu_library.level()
+    assert re.fullmatch(rf"tinyllm's CPU kernels \({level}\) compiled in \d+\.\d s", done)
     monkeypatch.setattr(cpu_library, "_is_built", lambda name: True)
     caplog.clear()
     with caplog.at_level("WARNING", logger="tinyllm"):

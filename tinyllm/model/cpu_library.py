@@ -133,7 +133,8 @@ def _compile() -> None:
     # At warning level after a build, so whoever saw it start sees it end.
     log.log(
         logging.INFO if built else logging.WARNING,
-        "tinyllm's CPU kernels %s in %.1f s",
+        "tinyllm's CPU kernels (%s) %s in %.1f s",
+        chosen,
         "loaded" if built else "compiled",
         time.perf_counter() - start,
     )
