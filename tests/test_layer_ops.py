@@ -91,6 +91,42 @@ def test_silu_and_mul(dtype):
     torch.testing.assert_close(out, layer_ops.silu_and_mul_torch(x), **tol(dtype))
 
 
+def test_a_compiler_without_amx_flags_still_builds_the_vnni_kernels(monkeypatch, caplog):
+    """GCC before 11 rejects -mamx-tile: an AMX machine with such a compiler keeps the kernels,
+    built one level down, and says why."""
+    import torch.utils.cpp_extension
+
+    built = []
+
+    def load(name, **kwargs):
+        if "-mamx-tile" in kwargs["extra_cflags"]:
+            raise RuntimeError("c++ ... -mamx-tile\nc++: error: unrecognized command-line option")
+        built.append(name)
+
+    monkeypatch.setattr(cpu_library, "level", lambda: "avx512amx")
+    monkeypatch.setattr(cpu_library, "_is_built", lambda name: True)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
+    with caplog.at_level("WARNING", logger="tinyllm"):
+        cpu_library._compile()
+    assert built == ["tinyllm_cpu_avx512vnni"]
+    assert "did not build for avx512amx (c++: error: unrecognized command-line option)" in (
+        caplog.text
+    )
+
+
+def test_a_failed_build_below_amx_is_not_retried(monkeypatch):
+    import torch.utils.cpp_extension
+
+    def load(name, **kwargs):
+        raise RuntimeError("c++: error: something else")
+
+    monkeypatch.setattr(cpu_library, "level", lambda: "avx512vnni")
+    monkeypatch.setattr(cpu_library, "_is_built", lambda name: True)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
+    with pytest.raises(RuntimeError, match="something else"):
+        cpu_library._compile()
+
+
 def test_a_first_build_says_so_before_it_starts_and_when_done(monkeypatch, caplog):
     """Building takes 15 s to minutes, once per machine: a new user sees why start-up paused,
     and for how long."""

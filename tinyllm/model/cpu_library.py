@@ -106,13 +106,28 @@ def build_flags(name: str) -> list[str]:
 
 
 def _compile() -> None:
-    """Build (or load torch's cached build of) the library; raises when it cannot."""
-    from torch.utils.cpp_extension import load
-
+    """Build (or load torch's cached build of) the library; raises when it cannot. A compiler
+    too old for AMX's flags (GCC before 11) still gets the AVX512-VNNI build."""
     cxx = os.environ.get("CXX", "c++")  # the compiler torch's build uses
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler: {cxx!r} is not on PATH")
     chosen = level()  # once: a fallback from a forced level warns
+    try:
+        _build(chosen)
+    except Exception as e:
+        if chosen != "avx512amx":
+            raise
+        log.warning(
+            "tinyllm's CPU kernels did not build for avx512amx (%s): building them for "
+            "avx512vnni, without AMX tile products",
+            first_error(e),
+        )
+        _build("avx512vnni")
+
+
+def _build(chosen: str) -> None:
+    from torch.utils.cpp_extension import load
+
     name = f"tinyllm_cpu_{chosen}"
     built = _is_built(name)
     if not built:  # else a silent pause on a first run, long enough to look hung
