@@ -50,11 +50,13 @@ class Replay:
 
 def replay(proposer: NgramProposer, prompt: list[int], output: list[int]) -> Replay:
     r = Replay(tokens=len(output))
+    context, index = list(prompt), proposer.new_index()  # as a request keeps them
     i = 0
     while i < len(output):
+        context.extend(output[len(context) - len(prompt) : i])
         t = time.perf_counter()
         # The last token is always the target's own (a step makes accepted + 1).
-        draft = proposer.propose(prompt + output[:i], max_tokens=len(output) - i - 1)
+        draft = proposer.propose(context, len(output) - i - 1, index)
         r.seconds += time.perf_counter() - t
         accepted = 0
         while accepted < len(draft) and draft[accepted] == output[i + accepted]:
@@ -74,12 +76,16 @@ def by_match_length(outputs: list[tuple[list[int], list[int]]], longest: int) ->
     anywhere = NgramProposer(1, 1, longest)
     hits, seen = [0] * (longest + 1), [0] * (longest + 1)
     for prompt, output in outputs:
-        for i, token in enumerate(output):
-            context = prompt + output[:i]
-            n = sum(1 for p in exact if p.propose(context))  # an n-gram match implies shorter ones
+        context = list(prompt)
+        indexes = [p.new_index() for p in exact]
+        index = anywhere.new_index()
+        for token in output:
+            # An n-gram match implies shorter ones.
+            n = sum(1 for p, ix in zip(exact, indexes, strict=True) if p.propose(context, None, ix))
             if n:
                 seen[n] += 1
-                hits[n] += anywhere.propose(context) == [token]
+                hits[n] += anywhere.propose(context, None, index) == [token]
+            context.append(token)
     print("first draft is the next token, by the longest match's length:")
     for n in range(1, longest + 1):
         print(f"  {n}: {hits[n]} of {seen[n]} ({hits[n] / max(seen[n], 1):.0%})")

@@ -1,6 +1,6 @@
-"""The n-gram proposer against a brute-force reference, and its edge cases."""
+"""The n-gram proposer against a brute-force reference, called once and as a growing request
+calls it (its index kept between calls), and its edge cases."""
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -39,7 +39,34 @@ def test_proposals_match_the_brute_force_reference(tokens, k, lo, extra, cap, cl
     proposer = cls(k, lo, hi)
     expected = reference(tokens, k if cap is None else min(k, cap), lo, hi, cls.occurrence)
     assert proposer.propose(tokens, cap) == expected
-    assert proposer.propose(np.array(tokens, dtype=np.int64), cap) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 3), max_size=80),
+    cuts=st.lists(st.integers(1, 6), min_size=1, max_size=40),  # how many tokens each step adds
+    caps=st.lists(st.one_of(st.none(), st.integers(0, 8)), min_size=1, max_size=40),
+    k=st.integers(1, 6),
+    lo=st.integers(1, 4),
+    extra=st.integers(0, 3),
+    cls=st.sampled_from([NgramProposer, EarliestNgramProposer]),
+)
+def test_an_index_kept_between_calls_proposes_what_the_reference_does_at_every_step(
+    tokens, cuts, caps, k, lo, extra, cls
+):
+    """A request's tokens arrive a few at a time (a prompt, then accepted drafts and sampled
+    tokens); a step may skip the lookup (backoff, a crowded batch) and catch up at the next."""
+    hi = lo + extra
+    proposer = cls(k, lo, hi)
+    index = proposer.new_index()
+    context: list[int] = []  # grown in place, as Request.all_token_ids is
+    step = 0
+    while len(context) < len(tokens):
+        context.extend(tokens[len(context) : len(context) + cuts[step % len(cuts)]])
+        cap = caps[step % len(caps)]
+        expected = reference(context, k if cap is None else min(k, cap), lo, hi, cls.occurrence)
+        assert proposer.propose(context, cap, index) == expected, f"after {len(context)} tokens"
+        step += 1
 
 
 def test_no_earlier_occurrence_proposes_nothing():

@@ -117,7 +117,7 @@ def _random_speculation(engine: LLMEngine, rng: random.Random) -> None:
     """Drafts of random tokens and lengths (up to what fits), of which the sampler keeps a
     random number, then adds a random token: every acceptance length the engine must roll back."""
 
-    def propose(token_ids, max_tokens=None):
+    def propose(token_ids, max_tokens=None, index=None):
         return [rng.randrange(VOCAB) for _ in range(rng.randint(0, min(5, max_tokens)))]
 
     sampler = engine.runner.sampler

@@ -1,11 +1,14 @@
 """Speculative decoding's verification (Sampler.verify), its settings and its auto-off rules,
 without a model: the sampled tokens follow the target distribution whatever the drafts are."""
 
+import random
+
 import pytest
 import torch
 
 from tinyllm.engine.config import EngineConfig, SpeculativeConfig
 from tinyllm.engine.model_runner import CachedRequestState
+from tinyllm.engine.ngram_proposer import NgramProposer
 from tinyllm.engine.request import Request
 from tinyllm.engine.sampler import Sampler, _accept_or_resample, _probs
 from tinyllm.engine.sampling_params import SamplingParams
@@ -146,6 +149,34 @@ def test_a_sampled_request_drafts_only_from_a_match_of_two_tokens():
     r = _decoding(one[:-1], sampled, one[-1:])
     only_one.propose([r])
     assert r.spec_token_ids == [7, 8, 4, 5, 1]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_drafts_follow_a_request_as_its_tokens_grow_through_skipped_steps_and_preemption(
+    temperature,
+):
+    """The request keeps its n-gram index between steps: whatever steps it skips (crowded, or
+    preempted and recomputing), its drafts are what a search of all its tokens finds."""
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=3), max_model_len=1000)
+    fresh = NgramProposer(3, 1 if temperature == 0 else 2, 5)
+    rng = random.Random(0)
+    params = SamplingParams(temperature=temperature)
+    r = _decoding([rng.randrange(4) for _ in range(20)], params, [rng.randrange(4)])
+    r.max_tokens = 900  # room for every draft: only the index decides them
+    drafted = 0
+    for _ in range(150):
+        r.all_token_ids += [rng.randrange(4) for _ in range(rng.randint(1, 4))]
+        preempted, crowded = rng.random() < 0.2, rng.random() < 0.2
+        # Preempted: recomputing its tokens, so not decoding and not asked for drafts.
+        r.num_computed_tokens = 0 if preempted else r.num_tokens - 1
+        r.spec_token_ids = []
+        spec.propose([r] * 5 if crowded else [r])  # 5 decoding rows > max_batch
+        if preempted or crowded:
+            assert r.spec_token_ids == []
+        else:
+            assert r.spec_token_ids == fresh.propose(list(r.all_token_ids)), r.num_tokens
+        drafted += len(r.spec_token_ids)
+    assert drafted > 100  # the comparison saw drafts, not only empty steps
 
 
 @pytest.mark.parametrize(

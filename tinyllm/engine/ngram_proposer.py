@@ -6,14 +6,53 @@ quoting and extracting copy long runs of the prompt. The proposer finds the long
 n-gram (prompt_lookup_min <= n <= prompt_lookup_max) that occurred earlier and proposes up to k
 of the tokens that followed it; the target model then verifies them in one pass.
 
-The search is a few numpy passes over the context: the positions of the last token, then,
-one offset further back at a time, the candidates whose preceding tokens still match. The
-first pass is the only one over the whole context; the others touch only the survivors.
+Each request keeps an `NgramIndex` of its tokens: where each of its n-grams occurred, added as
+its tokens arrive, so a step costs the new tokens' n-grams and a few dict lookups whatever the
+context's length, instead of a search through all of it (benchmarks/ngram_proposer.py).
 """
 
 from collections.abc import Sequence
 
-import numpy as np
+
+class NgramIndex:
+    """Where each n-gram (min_n <= n <= max_n) of one token sequence occurred: its last or first
+    occurrence's end position, over the n-grams that have a token after them. `extend` indexes
+    the tokens appended since the last call; the sequence must only grow."""
+
+    def __init__(self, min_n: int, max_n: int, earliest: bool) -> None:
+        self.min_n, self.max_n, self.earliest = min_n, max_n, earliest
+        # An n-gram (a tuple of n ids; tuples of different lengths never compare equal) -> the
+        # position of its last token.
+        self.ends: dict[tuple[int, ...], int] = {}
+        self.num_indexed = 0  # n-grams ending before this position are in `ends`
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        # An n-gram is indexed once a token follows it: the suffix itself never matches. A
+        # plain loop: about 1 us a token, which a step's one new token costs and a prompt's
+        # first call pays once (zipping slices is faster only from about 12 tokens on).
+        stop = len(tokens) - 1
+        ends, lo, hi, earliest = self.ends, self.min_n, self.max_n, self.earliest
+        for end in range(self.num_indexed, stop):
+            for n in range(lo, min(hi, end + 1) + 1):
+                gram = tuple(tokens[end + 1 - n : end + 1])
+                if earliest:
+                    ends.setdefault(gram, end)
+                else:
+                    ends[gram] = end
+        self.num_indexed = max(self.num_indexed, stop)
+
+    def longest_match(self, tokens: Sequence[int]) -> int | None:
+        """The end position of an earlier occurrence of the longest suffix n-gram of tokens
+        (the sequence indexed so far), or None when not even min_n tokens occurred earlier."""
+        found = None
+        # Shortest first: a suffix that never occurred has no longer one that did, so text with
+        # nothing to find costs one lookup.
+        for n in range(self.min_n, min(self.max_n, len(tokens) - 1) + 1):
+            end = self.ends.get(tuple(tokens[-n:]))
+            if end is None:
+                break
+            found = end
+        return found
 
 
 class NgramProposer:
@@ -40,32 +79,27 @@ class NgramProposer:
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
 
-    def propose(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[int]:
+    def new_index(self) -> NgramIndex:
+        """An empty index of one sequence, for `propose` of this proposer."""
+        return NgramIndex(self.min_n, self.max_n, earliest=self.occurrence == 0)
+
+    def propose(
+        self,
+        token_ids: Sequence[int],
+        max_tokens: int | None = None,
+        index: NgramIndex | None = None,
+    ) -> list[int]:
         """Up to k (= min(num_speculative_tokens, max_tokens)) draft tokens: the longest suffix
         n-gram of token_ids (prompt_lookup_min <= n <= prompt_lookup_max) that occurred earlier
         in token_ids; the tokens that followed that earlier occurrence. [] when there is no
-        match. A numpy array is used as it is; a list is converted, which at a few thousand
-        tokens costs more than the search itself (benchmarks/ngram_proposer.py)."""
+        match. `index` (from `new_index`) is token_ids' index so far, kept between calls while
+        token_ids grows, so that a call indexes only the new tokens; without it every call
+        indexes the whole sequence."""
+        if index is None:
+            index = self.new_index()
+        index.extend(token_ids)
         k = self.k if max_tokens is None else min(self.k, max_tokens)
-        if isinstance(token_ids, np.ndarray):
-            t = token_ids
-        else:  # fromiter with a count: half the time of asarray on a list of ints
-            t = np.fromiter(token_ids, np.int64, len(token_ids))
-        n_tokens = len(t)
-        if k <= 0 or n_tokens <= self.min_n:
+        end = index.longest_match(token_ids) if k > 0 else None
+        if end is None:
             return []
-        # Candidates: the positions before the last that hold the last token, so that at least
-        # one token follows them; each ends an earlier occurrence of the last `matched` tokens.
-        ends = np.flatnonzero(t[:-1] == t[-1])
-        matched = 1
-        while ends.size and matched < self.max_n:
-            # Keep the candidates whose token `matched` places back equals the suffix's.
-            back = ends - matched
-            still = ends[(back >= 0) & (t[np.maximum(back, 0)] == t[-1 - matched])]
-            if not still.size:
-                break
-            ends, matched = still, matched + 1
-        if not ends.size or matched < self.min_n:
-            return []
-        start = int(ends[self.occurrence]) + 1
-        return t[start : start + k].tolist()
+        return list(token_ids[end + 1 : end + 1 + k])

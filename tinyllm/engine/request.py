@@ -5,6 +5,7 @@ import enum
 from llguidance import LLMatcher
 
 from tinyllm.engine.block_pool import BlockKey
+from tinyllm.engine.ngram_proposer import NgramIndex
 from tinyllm.engine.outputs import TokenLogprob
 from tinyllm.engine.sampling_params import SamplingParams
 
@@ -54,9 +55,12 @@ class Request:
         )
         # Speculative decoding (engine/speculative.py): the draft tokens to verify in the next
         # step after the last sampled token, at most how many to draft next (0: the configured
-        # number) and how long to wait after drafts that failed.
+        # number), how long to wait after drafts that failed, and the n-grams of its tokens
+        # that drafts are looked up in (made at its first lookup, grown with its tokens: a
+        # preempted request keeps its tokens, so it keeps them too).
         self.spec_token_ids: list[int] = []
         self.spec_limit = self.spec_backoff = self.spec_wait = 0
+        self.spec_ngrams: NgramIndex | None = None
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         self.finish_reason: str | None = None

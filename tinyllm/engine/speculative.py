@@ -91,7 +91,9 @@ class Speculator:
             return []
         limit = min(room - 1, request.spec_limit or self.config.num_speculative_tokens)
         proposer = self.proposer if p.greedy else self.sampled_proposer
-        return proposer.propose(request.all_token_ids, max_tokens=limit)
+        if request.spec_ngrams is None:  # a request is greedy or not for its whole life
+            request.spec_ngrams = proposer.new_index()
+        return proposer.propose(request.all_token_ids, limit, request.spec_ngrams)
 
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """A verified row: count it, set how many drafts the request gets next, and back off
