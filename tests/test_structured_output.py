@@ -297,6 +297,29 @@ def test_a_mask_forbids_padding_ids_and_leaves_allowed_logits_alone(default_conf
     assert masks.stats.rows == 1 and masks.stats.forced == (len(texts) == 1)
 
 
+def test_the_last_grammars_compiled_are_kept_and_each_request_gets_a_copy(
+    default_config_llm, compiles, monkeypatch
+):
+    tok = default_config_llm.tokenizer
+    compiler = StructuredOutputCompiler(tok, tok.vocab_size)
+    monkeypatch.setattr(compiler, "CACHED", 2)
+    a, b, c = (StructuredOutputsParams(choice=[word]) for word in ("alpha", "beta", "gamma"))
+    alpha = tok.encode("alpha", add_special_tokens=False)
+    first = compiler.matcher(a)
+    assert first.consume_tokens(alpha) and first.is_stopped()
+    again = compiler.matcher(a)  # at the start, not where the first request's matcher got to
+    assert not again.is_stopped() and again.consume_tokens(alpha) and again.is_stopped()
+    compiler.matcher(b)
+    compiler.matcher(a)
+    assert compiles.count == 2
+    compiler.matcher(c)  # over the limit: b, the least recently used, goes
+    compiler.matcher(a)
+    compiler.matcher(c)
+    assert compiles.count == 3
+    compiler.matcher(b)
+    assert compiles.count == 4
+
+
 @pytest.mark.parametrize(
     "sampling",
     [{"temperature": 0}, {"temperature": 1.5, "top_k": 50, "repetition_penalty": 1.3, "seed": 2}],

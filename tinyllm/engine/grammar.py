@@ -10,6 +10,7 @@ import json
 import re
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -59,11 +60,22 @@ class StructuredOutputCompiler:
     """Turns a request's StructuredOutputsParams into an llguidance matcher (one per request:
     it holds where that request's output is in the grammar). The llguidance tokenizer (every
     token's bytes, for the masks) is built once, on the first constrained request; `vocab_size`
-    is the logits' width, so ids past the tokenizer's vocabulary (padding) are never allowed."""
+    is the logits' width, so ids past the tokenizer's vocabulary (padding) are never allowed.
+
+    The last `CACHED` grammars that compiled are kept, by their text, as matchers at their
+    start, and a request gets a copy: a copy takes microseconds where compiling took 0.4-1.5
+    ms (SmolLM2's vocabulary, a schema, a regex, a tool grammar). The server compiles each
+    request's grammar when it checks the request (on a handler thread) and again when the
+    engine thread adds it, once per prompt of a request, and clients send the same schema or
+    tools request after request. A cache rather than handing the checked matcher on to
+    add_request: the engine's API stays as it is, and every caller of it gains."""
+
+    CACHED = 64
 
     def __init__(self, tokenizer: "Tokenizer", vocab_size: int) -> None:
         self._tokenizer, self._vocab_size = tokenizer, vocab_size
         self._ll_tokenizer: LLTokenizer | None = None
+        self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()  # least recently used first
         # The server checks requests on its handler threads while the engine thread adds them.
         self._lock = threading.Lock()
 
@@ -71,12 +83,20 @@ class StructuredOutputCompiler:
         """A fresh matcher at the grammar's start; ValueError naming the field and the problem
         if it does not compile (an invalid schema or regex, a feature llguidance lacks)."""
         name, grammar = _grammar(params)
+        with self._lock:
+            if (compiled := self._compiled.get(grammar)) is not None:
+                self._compiled.move_to_end(grammar)
+                return compiled.deep_copy()
         matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
             error = _one_line(matcher.get_error())
             if name != "grammar":  # a place in the grammar made from it: no help to the user
                 error = re.sub(r"^at \d+\(\d+\): ", "", error)
             raise ValueError(f"structured_outputs.{name}: {error}")
+        with self._lock:  # a copy: what is cached never advances
+            self._compiled[grammar] = matcher.deep_copy()
+            if len(self._compiled) > self.CACHED:
+                self._compiled.popitem(last=False)
         return matcher
 
     @property
