@@ -5,7 +5,9 @@ from pathlib import Path
 import pytest
 import tokenizers
 import torch
+from llguidance import LLMatcher
 
+from tinyllm.engine import grammar
 from tinyllm.loaders.source import default_model_path
 from tinyllm.model.config import ModelConfig
 from tinyllm.model.llama import Transformer
@@ -80,6 +82,29 @@ def tiny():
     backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
     backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     return model.eval(), Tokenizer(backend, bos_token_id=None, eos_token_ids=[1])
+
+
+class CountingCompiles:
+    """engine/grammar.py's LLMatcher, counting the grammars compiled (its static methods, which
+    make grammar text, are llguidance's own)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, *args, **kwargs) -> LLMatcher:
+        self.count += 1
+        return LLMatcher(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(LLMatcher, name)
+
+
+@pytest.fixture
+def compiles(monkeypatch) -> CountingCompiles:
+    """How many grammars the engine compiles while the test runs."""
+    counter = CountingCompiles()
+    monkeypatch.setattr(grammar, "LLMatcher", counter)
+    return counter
 
 
 class ModuleLines:

@@ -11,10 +11,17 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from tests.engine_runs import engine_on, run_all
 from tinyllm.engine.engine import LLMEngine
-from tinyllm.engine.grammar import GrammarMasks, StructuredOutputCompiler, apply_bitmask
+from tinyllm.engine.grammar import (
+    GrammarMasks,
+    StructuredOutputCompiler,
+    apply_bitmask,
+    forced_rows,
+)
 from tinyllm.engine.outputs import RequestOutput
 from tinyllm.engine.sampler import Sampler
 from tinyllm.engine.sampling_params import SamplingParams
@@ -297,6 +304,40 @@ def test_a_mask_forbids_padding_ids_and_leaves_allowed_logits_alone(default_conf
     assert masks.stats.rows == 1 and masks.stats.forced == (len(texts) == 1)
 
 
+def test_the_last_grammars_compiled_are_kept_and_each_request_gets_a_copy(
+    default_config_llm, compiles, monkeypatch
+):
+    tok = default_config_llm.tokenizer
+    compiler = StructuredOutputCompiler(tok, tok.vocab_size)
+    monkeypatch.setattr(compiler, "CACHED", 2)
+    a, b, c = (StructuredOutputsParams(choice=[word]) for word in ("alpha", "beta", "gamma"))
+    alpha = tok.encode("alpha", add_special_tokens=False)
+    first = compiler.matcher(a)
+    assert first.consume_tokens(alpha) and first.is_stopped()
+    again = compiler.matcher(a)  # at the start, not where the first request's matcher got to
+    assert not again.is_stopped() and again.consume_tokens(alpha) and again.is_stopped()
+    compiler.matcher(b)
+    compiler.matcher(a)
+    assert compiles.count == 2
+    compiler.matcher(c)  # over the limit: b, the least recently used, goes
+    compiler.matcher(a)
+    compiler.matcher(c)
+    assert compiles.count == 3
+    compiler.matcher(b)
+    assert compiles.count == 4
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sets(st.integers(0, 32 * 3 - 1), max_size=4), min_size=1, max_size=8))
+@example([set(), {31}, {31, 5}, {0, 32}, {95}])
+def test_forced_rows_are_the_rows_that_allow_one_token(allowed):
+    bitmask = torch.zeros(len(allowed), 3, dtype=torch.int32)
+    for row, tokens in enumerate(allowed):
+        for t in tokens:  # bit 31 is the int32's sign
+            bitmask[row, t // 32] |= torch.tensor(1 << t % 32).to(torch.int32)
+    assert forced_rows(bitmask) == sum(len(tokens) == 1 for tokens in allowed)
+
+
 @pytest.mark.parametrize(
     "sampling",
     [{"temperature": 0}, {"temperature": 1.5, "top_k": 50, "repetition_penalty": 1.3, "seed": 2}],
@@ -346,9 +387,9 @@ def test_generate_flags_constrain_the_answer(default_config_llm, monkeypatch, ca
         "choice": ["--choice", "Paris,London,Rome"],
     }
     answers = {}
-    for name, given in flags.items():
+    for name, args in flags.items():
         question = ["generate", "Where is the Eiffel tower?", "--max-tokens", "60"]
-        assert cli.main(question + given) == 0
+        assert cli.main(question + args) == 0
         answers[name], err = capsys.readouterr()
         assert "finish: stop" in err.strip().splitlines()[-1]
     jsonschema.validate(json.loads(answers["json"]), schema)

@@ -4,8 +4,11 @@ pieces (a `<tool_call>` arriving split across tokens) reassembles to the whole a
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tinyllm.text.tool_calls import ToolCallStream, parse_tool_calls
+from tinyllm.text import tool_calls
+from tinyllm.text.tool_calls import Parsed, ToolCallStream, parse_tool_calls
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"x": 1, "y": [2, "}"]}}\n</tool_call>'
 WEATHER = (
@@ -51,10 +54,14 @@ def test_unfinished_text_holds_back_what_may_start_a_call():
     assert parse_tool_calls("Hello <tool_c", final=True).content == "Hello <tool_c"
 
 
+def _pieces(text: str, cuts: list[int]) -> list[str]:
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+
 def _stream(text: str, cuts: list[int]):
     stream = ToolCallStream()
     content, calls = "", {}
-    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    pieces = _pieces(text, cuts)
     for i, piece in enumerate(pieces):
         new, deltas = stream.feed(piece, final=i == len(pieces) - 1)
         content += new
@@ -101,3 +108,91 @@ def test_no_markup_reaches_content_while_a_call_streams():
     for ch in f"Checking.{CALL}":
         sent += stream.feed(ch, final=False)[0]
     assert sent == "Checking."
+
+
+def test_bad_json_in_a_call_is_no_name_not_an_error():
+    # A number that runs into the brace, a bad escape: the model's text, which used to raise.
+    for body in ['{"name": 1}', '{"name": "a\\q", "arguments": {}}']:
+        text = f"<tool_call>{body}</tool_call>"
+        assert parse_tool_calls(text) == Parsed(text, [])
+        assert parse_tool_calls(text, final=False) == Parsed("", [])
+    (call,) = parse_tool_calls('<tool_call>{"\\x": 1, "name": "f"}</tool_call>').calls
+    assert (call.name, call.arguments, call.complete) == ("f", "", False)
+
+
+def _reparsed(pieces: list[str]) -> list[tuple[str, list[tuple[int, str, bool, str | None]]]]:
+    """What streaming sent when each delta parsed the whole text so far again: the oracle for
+    the incremental stream (which must send the same, only without reading it all again)."""
+    text, content_sent, sent, out = "", 0, [], []
+    for i, piece in enumerate(pieces):
+        text += piece
+        parsed = parse_tool_calls(text, final=i == len(pieces) - 1)
+        deltas = []
+        for index, call in enumerate(parsed.calls):
+            if index == len(sent):
+                sent.append("")
+                deltas.append((index, "", True, call.name))
+            if new := call.arguments[len(sent[index]) :]:
+                deltas.append((index, new, False, None))
+            sent[index] = call.arguments
+        out.append((parsed.content[content_sent:], deltas))
+        content_sent = len(parsed.content)
+    return out
+
+
+def _fed(pieces: list[str]) -> list[tuple[str, list[tuple[int, str, bool, str | None]]]]:
+    stream = ToolCallStream()
+    out = []
+    for i, piece in enumerate(pieces):
+        content, deltas = stream.feed(piece, final=i == len(pieces) - 1)
+        out.append((content, [(d.index, d.arguments, d.id is not None, d.name) for d in deltas]))
+    return out
+
+
+FRAGMENTS = [
+    *("<tool_call>", "</tool_call>", "<tool_c", "</tool", "\n", " ", ",", ":", "{", "}", "[", "]"),
+    *('"', "\\", "1", "tru", "x", '"name"', '"arguments"', ': "f"', '{"a": [1, "}"]}', '"\\x"'),
+    '{"name": "add", "arguments": {"x": 1}}',
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_streaming_sends_what_parsing_the_text_so_far_each_time_sends(data):
+    text = "".join(data.draw(st.lists(st.sampled_from(FRAGMENTS), min_size=1, max_size=30)))
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(text) - 1)), max_size=20)))
+    pieces = _pieces(text, [c for c in cuts if c < len(text)])
+    assert _fed(pieces) == _reparsed(pieces)
+
+
+def test_streaming_when_the_end_tag_arrives_split():
+    # Read up to `</tool`, the second "arguments" has begun; once `</tool_call>` is whole, it has
+    # not, and the first one is the call's arguments again.
+    text = '<tool_call>{"name": "f", "arguments": {}, "arguments": </tool_call>'
+    for cut in range(text.index("</"), len(text)):
+        pieces = _pieces(text, [cut])
+        assert _fed(pieces) == _reparsed(pieces)
+
+
+def test_a_long_call_streamed_in_small_pieces_is_read_once(monkeypatch):
+    # Each delta used to parse the whole answer again, so a long call cost its length squared
+    # in a Python loop over characters. Count the characters the call scanner reads.
+    scanned = 0
+    scan = tool_calls._CallScan.scan
+
+    def counting_scan(self, text, stop):
+        nonlocal scanned
+        scanned += stop - self.next
+        return scan(self, text, stop)
+
+    monkeypatch.setattr(tool_calls._CallScan, "scan", counting_scan)
+    arguments = json.dumps({"text": 'a "quoted" word, {braces} [and] \\ ' * 150, "n": [1, 2.5]})
+    text = f'Writing it.\n<tool_call>\n{{"name": "write", "arguments": {arguments}}}\n</tool_call>'
+    assert len(text) > 5000
+    content, calls = _stream(text, list(range(3, len(text), 3)))
+    whole = parse_tool_calls(text)
+    assert content == whole.content == "Writing it."
+    assert [(c["name"], c["arguments"]) for c in calls] == [("write", arguments)]
+    assert [(c.name, c.arguments) for c in whole.calls] == [("write", arguments)]
+    # Read once while streaming, once more where </tool_call> arrived split, once in the parse.
+    assert scanned <= 3 * len(text) + 100

@@ -6,11 +6,15 @@ text or, while streaming, from the text so far.
 before a possible start of `<tool_call>` or trailing whitespace, a call's name once its string
 is closed, its arguments as far as they go. So `ToolCallStream`, which sends what is new since
 the last parse, reassembles to exactly the final parse.
+
+Both read the text with `_AnswerScan`, which keeps where its reading stopped: a streamed delta
+is read once, not the whole answer again (that was quadratic in a long call's length).
 """
 
 import json
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 _WHITESPACE = " \t\n\r"
@@ -38,103 +42,193 @@ class Parsed:
 
 def parse_tool_calls(text: str, final: bool = True) -> Parsed:
     """Content and calls of `text`; `final=False` for text that may still grow."""
-    start = text.find(CALL_START)
-    calls: list[ToolCall] = []
-    while start >= 0:
-        body_start = start + len(CALL_START)
-        end = text.find(CALL_END, body_start)
-        body = text[body_start:] if end < 0 else text[body_start:end]
-        name, arguments, closed = _scan_call(body)
-        if name is not None:
-            complete = end >= 0 and closed
-            calls.append(ToolCall(name, arguments or "", complete=complete))
-        if end < 0:
-            break
-        start = text.find(CALL_START, end + len(CALL_END))
-    first = text.find(CALL_START)
-    if final and not calls:  # no call, or none that names a function: all of it is text
-        return Parsed(text, [])
-    if first < 0:  # so far only text
-        return Parsed(_settled_text(text), [])
-    return Parsed(text[:first].rstrip(_WHITESPACE), calls)
+    scan = _AnswerScan()
+    scan.extend(text)
+    calls = [
+        ToolCall(c.function, text[slice(*c.arguments_span(text))], complete=c.complete)
+        for c in scan.calls
+        if c.function is not None
+    ]
+    return Parsed(text[: scan.content_end(final, bool(calls))], calls)
 
 
-def _settled_text(text: str) -> str:
-    """`text` without what could still turn out to be the start of a call: a trailing partial
-    `<tool_call>` and the whitespace before it (content before a call is stripped)."""
+class _Value:
+    """A JSON value read as far as the text goes: where it starts, and where the reading stopped
+    with the nesting there, so that more text goes on from there."""
+
+    def __init__(self, start: int) -> None:
+        self.start = self.next = start
+        self.depth, self.in_string, self.escaped = 0, False, False
+
+    def end(self, s: str, stop: int) -> int | None:
+        """Where the value ends, or None if `s[:stop]` ends first."""
+        depth, in_string, escaped = self.depth, self.in_string, self.escaped
+        for j in range(self.next, stop):
+            c = s[j]
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif c == "\\":
+                    escaped = True
+                elif c == '"':
+                    in_string = False
+                    if depth == 0:
+                        return j + 1
+            elif c == '"':
+                in_string = True
+            elif c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth <= 0:
+                    return j + 1
+            elif depth == 0 and (c in _WHITESPACE or c == ","):
+                return j  # the end of a number or literal
+        self.next, self.depth, self.in_string, self.escaped = stop, depth, in_string, escaped
+        return None
+
+
+def _decoded(raw: str) -> Any:
+    """A JSON value, or None where it is not valid JSON (a bad escape, `1}`)."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
+_OBJECT, _KEY, _COLON, _VALUE, _COMMA, _DONE = range(6)  # what the body expects next
+
+
+class _CallScan:
+    """A call body `{"name": ..., "arguments": ...}` read as far as the text goes: the name
+    (once its string is closed) and where the arguments' raw JSON starts and (once it does)
+    ends. `scan` goes on from where the last one stopped."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start  # where the body starts, after <tool_call>
+        self.stop = -1  # where </tool_call> starts, once seen
+        self._restart()
+
+    def _restart(self) -> None:
+        self.seen = self.next = self.start  # text read up to, and the next character to take
+        self.expect = _OBJECT
+        self.key: Any = None
+        self.value: _Value | None = None  # the key or value being read
+        self.name: Any = None  # the last whole "name" value, decoded
+        self.arguments: int | None = None  # where the last "arguments" value starts
+        self.arguments_end: int | None = None  # and ends, once it does
+
+    @property
+    def function(self) -> str | None:
+        return self.name if isinstance(self.name, str) else None
+
+    @property
+    def complete(self) -> bool:
+        return self.stop >= 0 and self.arguments_end is not None
+
+    def arguments_span(self, text: str) -> tuple[int, int]:
+        if self.arguments is None:
+            return 0, 0
+        if self.arguments_end is not None:
+            return self.arguments, self.arguments_end
+        return self.arguments, self.stop if self.stop >= 0 else len(text)
+
+    def finish(self, text: str, stop: int) -> None:
+        """The body ends at `stop`."""
+        if self.seen > stop:  # what was read past it turned out to be </tool_call>
+            self._restart()
+        self.scan(text, stop)
+        self.stop = stop
+
+    def scan(self, text: str, stop: int) -> None:
+        """Read the body on, up to `stop`."""
+        self.seen = stop
+        i, expect = self.next, self.expect
+        while i < stop and expect != _DONE:
+            if self.value is not None:
+                end = self.value.end(text, stop)
+                if end is None:
+                    i = stop
+                    break
+                if expect == _KEY:
+                    self.key, expect = _decoded(text[self.value.start : end]), _COLON
+                else:
+                    if self.key == "name":
+                        self.name = _decoded(text[self.value.start : end])
+                    elif self.key == "arguments":
+                        self.arguments_end = end
+                    expect = _COMMA
+                self.value, i = None, end
+                continue
+            c = text[i]
+            if c in _WHITESPACE:
+                pass
+            elif expect == _OBJECT:
+                expect = _KEY if c == "{" else _DONE
+            elif expect == _KEY and c != '"':
+                expect = _DONE
+            elif expect in (_KEY, _VALUE):
+                self.value = _Value(i)  # which reads c itself
+                if expect == _VALUE and self.key == "arguments":
+                    self.arguments, self.arguments_end = i, None
+                continue
+            elif expect == _COLON:
+                expect = _VALUE if c == ":" else _DONE
+            else:
+                expect = _KEY if c == "," else _DONE
+            i += 1
+        self.next, self.expect = i, expect
+
+
+class _AnswerScan:
+    """An answer's calls, read as far as its text goes; `extend` reads only what is new (and
+    the few characters before it that a tag may have begun in)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.calls: list[_CallScan] = []  # every <tool_call> body, with a name or not
+        self.search_from = 0  # for </tool_call> while the last call is open, else <tool_call>
+
+    def extend(self, delta: str) -> None:
+        self.text += delta
+        text = self.text
+        while True:
+            if self.calls and self.calls[-1].stop < 0:
+                call = self.calls[-1]
+                end = text.find(CALL_END, self.search_from)
+                if end < 0:
+                    self.search_from = max(self.search_from, len(text) - len(CALL_END) + 1)
+                    call.scan(text, len(text))
+                    return
+                call.finish(text, end)
+                self.search_from = end + len(CALL_END)
+            else:
+                start = text.find(CALL_START, self.search_from)
+                if start < 0:
+                    self.search_from = max(self.search_from, len(text) - len(CALL_START) + 1)
+                    return
+                self.calls.append(_CallScan(start + len(CALL_START)))
+                self.search_from = start + len(CALL_START)
+
+    def content_end(self, final: bool, any_calls: bool, known: int = 0) -> int:
+        """Where the content ends, given whether any call has a name; `known`: an end it
+        reaches already (content only grows), so that only the text after it is stripped."""
+        text = self.text
+        if final and not any_calls:  # no call, or none that names a function: all of it is text
+            return len(text)
+        if self.calls:  # text before the first call, which is final
+            end = self.calls[0].start - len(CALL_START)
+        else:  # less what could still turn out to be the start of a call
+            end = len(text) - _partial_call_start(text)
+        return known + len(text[known:end].rstrip(_WHITESPACE))
+
+
+def _partial_call_start(text: str) -> int:
+    """The length of the end of `text` that `<tool_call>` starts with (0: none)."""
     for n in range(min(len(CALL_START) - 1, len(text)), 0, -1):
         if CALL_START.startswith(text[-n:]):
-            text = text[:-n]
-            break
-    return text.rstrip(_WHITESPACE)
-
-
-def _scan_call(body: str) -> tuple[str | None, str | None, bool]:
-    """The name (once its string is closed), the arguments' raw JSON so far, and whether the
-    arguments are complete, of a call body `{"name": ..., "arguments": ...}` that may be cut."""
-    i = _skip_ws(body, 0)
-    if not body.startswith("{", i):
-        return None, None, False
-    name = arguments = None
-    closed = False
-    i += 1
-    while True:
-        i = _skip_ws(body, i)
-        key_end = _value_end(body, i)
-        if key_end is None or not body.startswith('"', i):
-            break
-        key = json.loads(body[i:key_end])
-        i = _skip_ws(body, key_end)
-        if not body.startswith(":", i):
-            break
-        i = _skip_ws(body, i + 1)
-        if i == len(body):
-            break
-        end = _value_end(body, i)
-        if key == "name" and end is not None:
-            name = json.loads(body[i:end])
-        elif key == "arguments":
-            arguments, closed = body[i : len(body) if end is None else end], end is not None
-        if end is None:
-            break
-        i = _skip_ws(body, end)
-        if not body.startswith(",", i):
-            break
-        i += 1
-    return (name if isinstance(name, str) else None), arguments, closed
-
-
-def _skip_ws(s: str, i: int) -> int:
-    while i < len(s) and s[i] in _WHITESPACE:
-        i += 1
-    return i
-
-
-def _value_end(s: str, i: int) -> int | None:
-    """Where the JSON value starting at s[i] ends, or None if s ends first."""
-    depth, in_string, escaped = 0, False, False
-    for j in range(i, len(s)):
-        c = s[j]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                in_string = False
-                if depth == 0:
-                    return j + 1
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth <= 0:
-                return j + 1
-        elif depth == 0 and (c in _WHITESPACE or c in ",}]"):
-            return j  # the end of a number or literal
-    return None
+            return n
+    return 0
 
 
 @dataclass
@@ -151,23 +245,34 @@ class ToolCallStream:
     """Turns a streamed answer into content deltas and `CallDelta`s, as OpenAI streams them."""
 
     def __init__(self) -> None:
-        self.text = ""
+        self.scan = _AnswerScan()
         self.content_sent = 0
-        self.calls: list[ToolCall] = []  # as sent so far, with their ids
+        self.ids: list[str] = []  # of the calls begun so far
+        self.arguments_sent: list[int] = []  # how much of each one's arguments
+        self.settled = 0  # scan.calls before this one are finished, and their deltas sent
+        self.settled_named = 0  # how many of those have a name
 
     def feed(self, delta: str, final: bool) -> tuple[str, list[CallDelta]]:
-        self.text += delta
-        parsed = parse_tool_calls(self.text, final)
-        content = parsed.content[self.content_sent :]
-        self.content_sent = len(parsed.content)
+        self.scan.extend(delta)
+        text, calls = self.scan.text, self.scan.calls
         out = []
-        for index, call in enumerate(parsed.calls):
-            if index == len(self.calls):
-                self.calls.append(ToolCall(call.name, "", complete=False))
-                out.append(CallDelta(index, "", id=self.calls[index].id, name=call.name))
-            sent = self.calls[index]
-            new = call.arguments[len(sent.arguments) :]
-            sent.arguments, sent.complete = call.arguments, call.complete
-            if new:
-                out.append(CallDelta(index, new))
+        index = self.settled_named
+        for call in calls[self.settled :]:
+            if call.function is None:
+                continue
+            if index == len(self.ids):
+                self.ids.append(new_call_id())
+                self.arguments_sent.append(0)
+                out.append(CallDelta(index, "", id=self.ids[index], name=call.function))
+            start, stop = call.arguments_span(text)
+            if stop - start > self.arguments_sent[index]:
+                out.append(CallDelta(index, text[start + self.arguments_sent[index] : stop]))
+            self.arguments_sent[index] = stop - start
+            index += 1
+        while self.settled < len(calls) and calls[self.settled].stop >= 0:
+            self.settled_named += calls[self.settled].function is not None
+            self.settled += 1
+        end = self.scan.content_end(final, index > 0, self.content_sent)
+        content = text[self.content_sent : end]
+        self.content_sent = end
         return content, out

@@ -92,7 +92,7 @@ class ToolDeltas:
             )
             for d in calls
         ]
-        reason = finish_reason(reason, bool(self.stream.calls))
+        reason = finish_reason(reason, bool(self.stream.ids))
         if not content and not tool_calls:
             return None, reason
         return Delta(content=content or None, tool_calls=tool_calls or None), reason
