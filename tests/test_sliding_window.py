@@ -216,6 +216,7 @@ def test_the_cuda_backend_refuses_a_window(monkeypatch, caplog) -> None:
     assert isinstance(get_backend("auto", gpu, WINDOW), ReferenceBackend)
     assert f"sliding_window={WINDOW}" in caplog.text
     with pytest.raises(
-        ValueError, match=f"no sliding window, and the model sets sliding_window={WINDOW}"
+        ValueError,
+        match=f"cuda backend has no sliding window, and the model sets sliding_window={WINDOW}",
     ):
         get_backend("cuda", gpu, WINDOW)

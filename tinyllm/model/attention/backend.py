@@ -31,7 +31,7 @@ class AttentionBackend:
     layer's sliding window (ModelConfig.sliding_window), None for the whole context."""
 
     name = "base"
-    sliding_window = True  # whether `attend` honours a window (the model runner checks)
+    supports_sliding_window = True  # whether `attend` honours a window (get_backend checks)
 
     def forward(
         self,

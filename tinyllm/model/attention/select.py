@@ -32,8 +32,9 @@ def get_backend(
     else:
         from tinyllm.model.attention.cuda import load_cuda_backend as load
     backend, why = load()
-    if backend is not None and sliding_window is not None and not backend.sliding_window:
-        backend, why = None, f"it has no sliding window, and the model sets {sliding_window=}"
+    if backend is not None and sliding_window is not None and not backend.supports_sliding_window:
+        why = f"the {wanted} backend has no sliding window, and the model sets {sliding_window=}"
+        backend = None
     if backend is not None:
         return backend
     if name != "auto":
