@@ -4,31 +4,31 @@
 // consecutive new tokens, KV head), those tokens' group of query heads together. It walks the
 // keys its tokens may see in tiles of kTile tokens, each token's K and V rows found through the
 // block table: from key 0, or under a sliding window from the tile that holds its first token's
-// first key (whole tiles before it skipped), to its last token. A tile is read once for all the item's queries: bf16 rows (or
-// rows not a whole number of vectors long) converted into the thread's fp32 scratch, fp32 rows
-// in place. Each query head then takes the tile (attend_tile), its keys from its window's first
-// (its position minus the window plus one; key 0 without a window) up to its own position, with
-// an online softmax: a running max and sum, the output so far rescaled whenever the max
-// grows. Scores kW keys at a time: each key's products along the head dim summed as a vector,
-// then the kW vectors reduced to kW scores together by a fixed tree of shuffles and adds, not
-// one horizontal sum per key. The output sums V rows in registers. A tile's lanes before a
-// query's window and past its position are masked, and no key past the item's last token is read, so whatever the
-// scratch block and the unused slots hold cannot leak in. Threads take items as they finish
-// (their costs differ). Against items of one token (a horizontal sum per key and head, bf16
-// converted per head): 2x on 8 rows of 56 new bf16 tokens after 768-1024, decode unchanged
-// (docs/INFERENCE.md, "Attention over a long context").
+// first key (whole tiles before it skipped), to its last token. A tile is read once for all the
+// item's queries: bf16 rows (or rows not a whole number of vectors long) converted into the
+// thread's fp32 scratch, fp32 rows in place. Each query head then takes the tile (attend_tile),
+// its keys from its window's first (its position minus the window plus one; key 0 without a
+// window) up to its own position, with an online softmax: a running max and sum, the output so
+// far rescaled whenever the max grows. Scores kW keys at a time: each key's products along the
+// head dim summed as a vector, then the kW vectors reduced to kW scores together by a fixed tree
+// of shuffles and adds, not one horizontal sum per key. The output sums V rows in registers. A
+// tile's lanes before a query's window and past its position are masked, and no key past the
+// item's last token is read, so whatever the scratch block and the unused slots hold cannot
+// leak in. Threads take items as they finish (their costs differ). Against items of one token
+// (a horizontal sum per key and head, bf16 converted per head): 2x on 8 rows of 56 new bf16
+// tokens after 768-1024, decode unchanged (docs/INFERENCE.md, "Attention over a long context").
 //
 // Why one routine: a query's arithmetic then depends on nothing but its own position and keys,
 // not on how many tokens its row has or what shares the step. Tiles start at multiples of kTile
 // and a query's first key follows from its own position, so a window keeps that: the tiles a
-// query takes, and which of their keys it sees, are the same whatever shares its item. So a token's K/V and logits are
-// the same bits whether it ran in a decode, a prompt chunk of any size, a recompute after
-// preemption, or was read back from the prefix cache. Sharing a tile among an item's queries is
-// a loop interchange: each query does the operations, in the order, it would do alone
-// (tests/test_attention_cpu.py checks a token alone against chunks of 3 to 37). A second
-// routine for prompt rows (their queries in vector lanes, scores as outer products) summed in
-// another order and broke that; measured against the per-query routine of the time on a
-// 2000-token prompt and on offline-small, it was no faster.
+// query takes, and which of their keys it sees, are the same whatever shares its item. So a
+// token's K/V and logits are the same bits whether it ran in a decode, a prompt chunk of any
+// size, a recompute after preemption, or was read back from the prefix cache. Sharing a tile
+// among an item's queries is a loop interchange: each query does the operations, in the order,
+// it would do alone (tests/test_attention_cpu.py checks a token alone against chunks of 3 to 37,
+// with and without a window). A second routine for prompt rows (their queries in vector lanes,
+// scores as outer products) summed in another order and broke that; measured against the
+// per-query routine of the time on a 2000-token prompt and on offline-small, it was no faster.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -191,8 +191,8 @@ struct InPlace {
 
 // One query head's step over a tile: its query `q` and state (output so far `a`, max, sum), the
 // tile's keys [from, cnt) (those it may see: `from` > 0 where its window starts in the tile, and
-// from < cnt), rows of P floats (P: the head dim padded to a
-// multiple of kVecs vectors, the padding zeros; kP: P when known at compile time, else 0).
+// from < cnt), rows of P floats (P: the head dim padded to a multiple of kVecs vectors, the
+// padding zeros; kP: P when known at compile time, else 0).
 // Every query runs exactly this, on nothing but its own values, however many queries share the
 // tile: the arithmetic that makes a token's bits independent of its item.
 template <int64_t kP, typename Rows>
@@ -253,9 +253,9 @@ void attend_tile(const float* __restrict q, float* __restrict a, float& m, float
 
 // New tokens [tok, tok + nq) of a row (token i's position: the row's context minus its new
 // tokens, plus i), KV head g's query heads. Each tile of keys is read (and converted) once for
-// all of them; each query takes the tiles from its window's first key up to its own position. fp32 rows of a whole number of
-// kVecs vectors are read in place, any other rows through the scratch: one way per dtype and
-// head dim, so every query of a model reads its keys alike.
+// all of them; each query takes the tiles from its window's first key up to its own position.
+// fp32 rows of a whole number of kVecs vectors are read in place, any other rows through the
+// scratch: one way per dtype and head dim, so every query of a model reads its keys alike.
 template <int64_t kD, typename T>
 void attend_queries(const Step<kD, T>& c, int64_t row, int64_t tok, int64_t nq, int64_t g,
                     Scratch& w) {
