@@ -13,10 +13,11 @@ from memory, not from the last-level cache, as in a real step. Printed, per laye
 each the best of `--reps` after a warm-up, taking turns, and the ratios cpu / bound and
 reference / cpu. Then chunked prefills: `--prefill-rows` rows of `--prefill-new` new tokens
 after `--prefill-ctx` earlier ones (each combination), both backends, with the attention FLOP
-rate each reaches.
+rate each reaches. `--window W`: a sliding window (a query sees itself and the W - 1 keys
+before it), the bound and FLOPs counted over the keys the window keeps.
 
 Run: python benchmarks/decode_attention.py [--batch 64] [--ctx 512] [--threads 2]
-[--dtype bfloat16]
+[--dtype bfloat16] [--window 256]
 """
 
 import argparse
@@ -82,7 +83,12 @@ def best_interleaved(fns: list[Callable[[], object]], reps: int) -> list[float]:
 
 
 def attention_runs(
-    cpu: AttentionBackend, lens: list[int], new: list[int], cold: bool, dtype: torch.dtype
+    cpu: AttentionBackend,
+    lens: list[int],
+    new: list[int],
+    cold: bool,
+    dtype: torch.dtype,
+    window: int | None,
 ) -> tuple[list[Callable[[], Tensor]], int]:
     """Functions running the reference's and the CPU backend's attend over `n` layers' caches
     (random K and V, the same tables), and `n`. `cold`: enough layers to overflow twice the
@@ -106,7 +112,7 @@ def attention_runs(
     def runner(backend: AttentionBackend) -> Callable[[], Tensor]:
         def run() -> Tensor:
             for kc, vc in caches:
-                out = backend.attend(q, k, v, kc, vc, meta, D**-0.5)
+                out = backend.attend(q, k, v, kc, vc, meta, D**-0.5, window)
             return out
 
         return run
@@ -129,7 +135,9 @@ def main() -> None:
     p.add_argument("--prefill-new", type=int, nargs="+", default=[256])
     p.add_argument("--prefill-ctx", type=int, nargs="+", default=[512])
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--window", type=int, default=None, help="a sliding window of W keys")
     args = p.parse_args()
+    window = args.window
     dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     cpu, why = load_cpu_backend()
@@ -140,15 +148,16 @@ def main() -> None:
     src = torch.ones(copy_bytes // 4)
     dst = torch.empty_like(src)
     lens = [args.ctx] * args.batch
-    runs, n_layers = attention_runs(cpu, lens, [1] * args.batch, cold=True, dtype=dtype)
+    runs, n_layers = attention_runs(cpu, lens, [1] * args.batch, True, dtype, window)
     copy, ref, fast = best_interleaved([lambda: dst.copy_(src), *runs], args.reps)
     ref, fast = ref / n_layers, fast / n_layers
     bandwidth = copy_bytes / copy
-    bound = 2 * sum(lens) * HKV * D * dtype.itemsize / bandwidth
+    seen = sum(min(L, window or L) for L in lens)  # the keys the decode rows read
+    bound = 2 * seen * HKV * D * dtype.itemsize / bandwidth
     print(
         f"{torch.backends.cpu.get_cpu_capability()}, {args.dtype}, {args.threads} threads, ", end=""
     )
-    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, window {window}")
     print(f"decode {args.batch} x {args.ctx}: bound {1e3 * bound:.2f} ms, ", end="")
     print(f"reference {1e3 * ref:.2f} ms, cpu {1e3 * fast:.2f} ms")
     print(f"  cpu / bound {fast / bound:.2f}, reference / cpu {ref / fast:.1f}")
@@ -156,8 +165,9 @@ def main() -> None:
     rows = args.prefill_rows
     for earlier in args.prefill_ctx:
         for n in args.prefill_new:
-            flops = 4 * HQ * D * rows * sum(earlier + i + 1 for i in range(n))
-            runs, _ = attention_runs(cpu, [earlier + n] * rows, [n] * rows, cold=False, dtype=dtype)
+            keys = sum(min(earlier + i + 1, window or earlier + n) for i in range(n))
+            flops = 4 * HQ * D * rows * keys
+            runs, _ = attention_runs(cpu, [earlier + n] * rows, [n] * rows, False, dtype, window)
             ref, fast = best_interleaved(runs, args.reps)
             print(f"prefill {rows} x {n} new after {earlier}: ", end="")
             print(f"reference {1e3 * ref:.2f} ms ({flops / ref / 1e9:.0f} GFLOP/s), ", end="")

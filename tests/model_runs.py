@@ -19,7 +19,12 @@ def prompt_logits(
     """Each prompt's logits at every position, (len, vocab), all prompts in one flat batch,
     with the attention backend an engine would use (on the CPU, whole layers as C++ ops)."""
     kv = KVCacheManager(sum(math.ceil(len(p) / block_size) for p in prompts), block_size)
-    runner = ModelRunner(model, kv.num_blocks, block_size, get_backend(backend, model.device))
+    runner = ModelRunner(
+        model,
+        kv.num_blocks,
+        block_size,
+        get_backend(backend, model.device, model.config.sliding_window),
+    )
     requests = [
         Request(str(i), p, SamplingParams(max_tokens=1), 1, [], seed=0)
         for i, p in enumerate(prompts)

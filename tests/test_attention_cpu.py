@@ -1,6 +1,6 @@
 """The CPU attention backend (a C++ kernel reading the paged blocks in place) against the
-reference backend (gather + SDPA) on random steps, and its fallbacks; both against garbage in
-the slots no row may read."""
+reference backend (gather + SDPA) on random steps, with and without a sliding window, and its
+fallbacks; both against garbage in the slots no row may read."""
 
 import math
 
@@ -17,6 +17,9 @@ from tinyllm.model.attention.select import get_backend
 
 REFERENCE = ReferenceBackend()
 SPARE_BLOCKS = 3  # in the pool but in no row's table
+# A sliding window (keys a query sees, itself included), or none: windows within a tile of 32
+# keys, across tiles, and longer than every context drawn.
+WINDOWS = st.none() | st.integers(1, 80)
 
 
 @pytest.fixture(scope="module")
@@ -90,19 +93,57 @@ def build(rows, bs, Hq, Hkv, D, seed, dtype=torch.float32):
     return (q, k, v, k_cache, v_cache, meta), unused
 
 
+def before_windows(meta: AttentionMetadata, bs: int, window: int | None) -> torch.Tensor:
+    """The cache slots (a mask like build's `unused`) of each row's positions before the window
+    of its first new token: no query of the step may see them."""
+    hidden = torch.zeros(meta.block_tables.max() + 1, bs, dtype=torch.bool)
+    for r, (L, n) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu, strict=True)):
+        pos = torch.arange(max(0, L - n - window + 1) if window else 0)
+        hidden[meta.block_tables[r, pos // bs], pos % bs] = True
+    return hidden
+
+
 @settings(max_examples=80, deadline=None)
-@given(step=steps(), garbage=st.sampled_from([float("nan"), float("inf"), 1e30]))
-def test_matches_reference_and_ignores_unused_slots(backend, step, garbage):
+@given(step=steps(), window=WINDOWS, garbage=st.sampled_from([float("nan"), float("inf"), 1e30]))
+def test_matches_reference_and_ignores_unused_slots(backend, step, window, garbage):
     args, unused = build(**step)
     scale = step["D"] ** -0.5
-    out = backend.attend(*args, scale=scale)
-    torch.testing.assert_close(out, REFERENCE.attend(*args, scale=scale), rtol=1e-5, atol=1e-5)
-    # Whatever the scratch block, spare blocks and slots past each row's length hold, the
-    # output is the same, bit for bit.
+    out = backend.attend(*args, scale=scale, window=window)
+    expected = REFERENCE.attend(*args, scale=scale, window=window)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # Whatever the scratch block, spare blocks, slots past each row's length and slots before
+    # every query's window hold, the output is the same, bit for bit: the kernel skips what
+    # no query sees, and masks it inside a tile it reads.
     q, k, v, k_cache, v_cache, meta = args
+    unused |= before_windows(meta, step["bs"], window)
     k_cache[unused] = garbage
     v_cache[unused] = -garbage
-    assert torch.equal(backend.attend(q, k, v, k_cache, v_cache, meta, scale), out)
+    assert torch.equal(backend.attend(q, k, v, k_cache, v_cache, meta, scale, window), out)
+
+
+@settings(max_examples=30, deadline=None)
+@given(step=steps(), window=st.integers(1, 80))
+def test_a_window_changes_what_the_reference_sees(step, window):
+    """The window cases above would pass if both backends ignored it: the reference's output
+    is its own over only the window's keys. A row's output with window W is the output of the
+    same queries over a context cut to its last W keys, computed as a row of its own (the
+    window's first key then at position 0), one query at a time."""
+    args, _ = build(**step)
+    q, _, _, k_cache, v_cache, meta = args
+    scale = step["D"] ** -0.5
+    out = REFERENCE.attend(*args, scale=scale, window=window)
+    bs, i = step["bs"], 0
+    for r, (L, n) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu, strict=True)):
+        for pos in range(L - n, L):
+            keys = torch.arange(max(0, pos - window + 1), pos + 1)
+            slots = meta.block_tables[r, keys // bs] * bs + keys % bs
+            ks = k_cache.flatten(0, 1)[slots].transpose(0, 1)
+            vs = v_cache.flatten(0, 1)[slots].transpose(0, 1)
+            alone = torch.nn.functional.scaled_dot_product_attention(
+                q[i][:, None], ks, vs, scale=scale, enable_gqa=True
+            )[:, 0]
+            torch.testing.assert_close(out[i], alone, rtol=1e-5, atol=1e-5)
+            i += 1
 
 
 @settings(max_examples=40, deadline=None)
@@ -122,19 +163,19 @@ def test_the_reference_ignores_unused_slots_too(step, garbage):
 
 
 @settings(max_examples=15, deadline=None)
-@given(step=steps())
-def test_bf16_accumulates_in_fp32(backend, step):
+@given(step=steps(), window=WINDOWS)
+def test_bf16_accumulates_in_fp32(backend, step, window):
     """bf16 in and out: within bf16's rounding of the fp32 answer on the same values."""
     args, _ = build(**step, dtype=torch.bfloat16)
     scale = step["D"] ** -0.5
-    out = backend.attend(*args, scale=scale)
+    out = backend.attend(*args, scale=scale, window=window)
     assert out.dtype == torch.bfloat16
     as_fp32 = [a.float() for a in args[:5]]
-    expected = REFERENCE.attend(*as_fp32, args[5], scale=scale)
+    expected = REFERENCE.attend(*as_fp32, args[5], scale=scale, window=window)
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
 
 
-def attend_span(backend, args, first: int, end: int, scale: float) -> torch.Tensor:
+def attend_span(backend, args, first: int, end: int, scale: float, window=None) -> torch.Tensor:
     """The outputs of a one-row step's tokens [first, end) computed as a step of their own: the
     row's context ends at `end` and those are its new tokens; same caches and table."""
     q, _, _, k_cache, v_cache, meta = args
@@ -149,44 +190,51 @@ def attend_span(backend, args, first: int, end: int, scale: float) -> torch.Tens
         seq_lens_cpu=[end],
         query_lens_cpu=[n],
     )
-    return backend.attend(q[first - at : end - at], None, None, k_cache, v_cache, span, scale)
+    return backend.attend(
+        q[first - at : end - at], None, None, k_cache, v_cache, span, scale, window
+    )
 
 
+@pytest.mark.parametrize("window", [None, 5, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D", [8, 64, 128])
-def test_a_tokens_bits_do_not_depend_on_what_shares_its_step(backend, dtype, D):
+def test_a_tokens_bits_do_not_depend_on_what_shares_its_step(backend, dtype, D, window):
     """A token's output is the same bits as a decode (alone), in a chunk of 3, 11, 16, 17 or 37
     new tokens wherever the chunk starts, and at another thread count. The kernel gives up to
     16 of a row's tokens one work item, sharing each tile of keys; a query's arithmetic must
     still depend only on its position and keys. 101 tokens: tiles of 32 and blocks of 16 end
-    mid-chunk."""
+    mid-chunk. Under a sliding window each query starts at its own first key: a window of 5
+    starts inside a tile, one of 40 spans two, and the item's queries start in different tiles."""
     L, n = 101, 37
     args, _ = build([(L, n)], bs=16, Hq=9, Hkv=3, D=D, seed=D, dtype=dtype)
-    whole = attend_span(backend, args, L - n, L, D**-0.5)
+    whole = attend_span(backend, args, L - n, L, D**-0.5, window)
     for size in (1, 3, 11, 16, 17):
         for first in range(L - n, L, size):
             end = min(first + size, L)
-            part = attend_span(backend, args, first, end, D**-0.5)
+            part = attend_span(backend, args, first, end, D**-0.5, window)
             assert torch.equal(part, whole[first - (L - n) : end - (L - n)]), (size, first)
     threads = torch.get_num_threads()
     torch.set_num_threads(1 if threads > 1 else 2)
     try:
-        assert torch.equal(attend_span(backend, args, L - n, L, D**-0.5), whole)
+        assert torch.equal(attend_span(backend, args, L - n, L, D**-0.5, window), whole)
     finally:
         torch.set_num_threads(threads)
+    # A window that covers the whole context is full attention, bit for bit.
+    if window is None:
+        assert torch.equal(attend_span(backend, args, L - n, L, D**-0.5, L), whole)
 
 
-def write_and_attend(backend, q, k, v, k_cache, v_cache, meta, scale):
+def write_and_attend(backend, q, k, v, k_cache, v_cache, meta, scale, window=None):
     """The kernel as model/decoder_layer.cpp calls it: it writes the new K/V itself."""
     out = q.new_empty(q.shape)
     backend.kernel(out, q, k_cache, v_cache, k, v, meta.slot_mapping, meta.block_tables,
-                   meta.seq_lens, meta.query_start_loc, meta.num_rows, scale)  # fmt: skip
+                   meta.seq_lens, meta.query_start_loc, meta.num_rows, scale, window)  # fmt: skip
     return out
 
 
 @settings(max_examples=25, deadline=None)
-@given(step=steps())
-def test_the_kernel_writes_the_new_kv_from_the_fused_rows(backend, step):
+@given(step=steps(), window=WINDOWS)
+def test_the_kernel_writes_the_new_kv_from_the_fused_rows(backend, step, window):
     """As the whole-layer op calls the kernel: q, k and v are views into one fused qkv row per
     token (strided), written into the caches by the kernel itself; the caches and the output
     are the reference backend's (index_copy_, then attention)."""
@@ -198,8 +246,8 @@ def test_the_kernel_writes_the_new_kv_from_the_fused_rows(backend, step):
     ours_k, ours_v = k_cache.clone(), v_cache.clone()
     for cache in (ours_k, ours_v):
         cache.view(-1, Hkv, D)[meta.slot_mapping] = float("nan")  # the kernel must write these
-    out = write_and_attend(backend, *views, ours_k, ours_v, meta, D**-0.5)
-    expected = REFERENCE.forward(q, k, v, k_cache, v_cache, meta, D**-0.5)
+    out = write_and_attend(backend, *views, ours_k, ours_v, meta, D**-0.5, window)
+    expected = REFERENCE.forward(q, k, v, k_cache, v_cache, meta, D**-0.5, window)
     assert torch.equal(ours_k, k_cache) and torch.equal(ours_v, v_cache)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
@@ -209,6 +257,13 @@ def test_the_kernel_refuses_a_slot_outside_the_cache(backend):
     meta.slot_mapping[2] = k_cache.shape[0] * k_cache.shape[1]
     with pytest.raises(RuntimeError, match=f"slot {meta.slot_mapping[2]} outside the cache's"):
         write_and_attend(backend, q, k, v, k_cache, v_cache, meta, 0.3)
+
+
+@pytest.mark.parametrize("window", [0, -3])
+def test_the_kernel_refuses_a_window_without_the_query(backend, window):
+    (q, k, v, k_cache, v_cache, meta), _ = build([(5, 5)], 4, 4, 2, 8, seed=1)
+    with pytest.raises(RuntimeError, match=f"window {window} must be >= 1"):
+        write_and_attend(backend, q, k, v, k_cache, v_cache, meta, 0.3, window)
 
 
 def test_other_dtypes_use_the_reference(backend):

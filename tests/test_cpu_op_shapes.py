@@ -292,7 +292,7 @@ def layer_args(model, tokens: int) -> tuple[dict, dict]:
     """decoder_attention's and decoder_mlp's arguments for a step of `tokens` new tokens of one
     row, all in the caches' block 0 onwards."""
     layer, c = model.model.layers[0], model.config
-    weights, bias, q_norm, k_norm, heads, kv_heads, eps, scale = layer.attention_args
+    weights, bias, q_norm, k_norm, heads, kv_heads, eps, scale, window = layer.attention_args
     mlp_weights, inter, _ = layer.mlp_args
     blocks = max(1, -(-tokens // BLOCK))
     rows = 1 if tokens else 0
@@ -320,6 +320,7 @@ def layer_args(model, tokens: int) -> tuple[dict, dict]:
         kv_heads=kv_heads,
         eps=eps,
         scale=scale,
+        window=window,
     )
     o = torch.randn(tokens, c.hidden_size, generator=gen).to(model.dtype)
     mlp = dict(o=o, residual=residual, weights=mlp_weights, intermediate=inter, eps=eps)

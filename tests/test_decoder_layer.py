@@ -2,8 +2,8 @@
 model/decoder_layer.cpp) against the model's own modules (the "modules" executor) on the same
 kernels, over engine-like steps: prefills, a prompt in two chunks, decodes after them, in each
 weight format and dtype and for each family's layer (Qwen2's q/k/v bias, Qwen3's per-head q/k
-norms). test_hf_loader compares both paths with transformers on whole prompts;
-test_layer_executor tests the choice between them."""
+norms, Mistral's sliding window). test_hf_loader compares both paths with transformers on whole
+prompts; test_layer_executor tests the choice between them."""
 
 import pytest
 import torch
@@ -23,6 +23,7 @@ FAMILIES = {
     "llama": {},
     "qwen2": {"attention_bias": True},
     "qwen3": {"qk_norm": True},
+    "mistral": {"sliding_window": 3},  # shorter than PROMPTS: the window's keys in the kernel
 }
 
 

@@ -3,7 +3,6 @@ fails with a message that names the problem."""
 
 import importlib.util
 import json
-import logging
 from pathlib import Path
 
 import huggingface_hub.constants
@@ -47,7 +46,7 @@ CASES = {
     "llama": ("Llama", dict(tie_word_embeddings=False)),
     "llama-tied": ("Llama", dict(tie_word_embeddings=True)),
     "llama3-rope": ("Llama", dict(rope_scaling=LLAMA3_ROPE, rope_theta=500000.0)),
-    # A window above the test's length: recorded, but the reference does not use it either.
+    # A window above the test's length (tests/test_sliding_window.py runs prompts past one).
     "mistral": ("Mistral", dict(sliding_window=64)),
     "qwen2-tied": ("Qwen2", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3", dict(head_dim=32, tie_word_embeddings=False)),
@@ -181,19 +180,6 @@ def test_old_and_new_rope_layouts_agree(tmp_path: Path) -> None:
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
     )
     assert hf_config(plain).rope_scaling is None and hf_config(plain).rope_theta == 1e6
-
-
-def test_sliding_window_recorded_with_warning(tmp_path: Path, caplog) -> None:
-    with caplog.at_level(logging.WARNING, logger="tinyllm.loaders.hf"):
-        config = hf_config(_write_config(tmp_path / "m", model_type="mistral", sliding_window=32))
-    assert config.extra["sliding_window"] == 32
-    assert "full context" in caplog.text
-    caplog.clear()
-    # Qwen configs carry a window that is off unless use_sliding_window says otherwise.
-    qwen = _write_config(
-        tmp_path / "q", model_type="qwen2", sliding_window=32, use_sliding_window=False
-    )
-    assert "sliding_window" not in hf_config(qwen).extra and not caplog.text
 
 
 def test_unused_rotary_buffer_dropped(tmp_path: Path) -> None:

@@ -81,7 +81,7 @@ class RunnerSpec:
     layer_executor: str
 
     def build(self, model: Transformer, samples: bool = True) -> "ModelRunner":
-        backend = get_backend(self.attention_backend, model.device)
+        backend = get_backend(self.attention_backend, model.device, model.config.sliding_window)
         return ModelRunner(
             model, self.num_blocks, self.block_size, backend, self.layer_executor, samples
         )

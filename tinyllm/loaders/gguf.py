@@ -259,8 +259,14 @@ def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in names,
         rotary_dim=rotary_dims if rotary_dims != head_dim else None,
     )
-    if arch == "phi3":  # llama.cpp's converter writes 0 for Phi-3 models without a window
-        serve_within_window(config, _value(reader, f"{arch}.attention.sliding_window", 0))
+    # 0: no window (llama.cpp's converter writes it for Phi-3 models without one). Phi-3's is
+    # served by cutting the context to it; a llama file's (Mistral's) slides on every layer.
+    # Qwen's is not read: which of its layers slide (max_window_layers) has no GGUF key.
+    window = _value(reader, f"{arch}.attention.sliding_window", 0)
+    if arch == "phi3":
+        serve_within_window(config, window)
+    elif arch == "llama" and 0 < window < config.max_position_embeddings:
+        config.sliding_window = window
     return config
 
 

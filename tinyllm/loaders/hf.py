@@ -1,7 +1,6 @@
 """Hugging Face model directories: config.json -> ModelConfig, safetensors -> state dict."""
 
 import json
-import logging
 import math
 from pathlib import Path
 
@@ -18,8 +17,6 @@ from tinyllm.model.config import (
     serve_within_window,
     unsupported_architecture,
 )
-
-log = logging.getLogger(__name__)
 
 _ARCH_BY_CLASS = {
     "LlamaForCausalLM": "llama",
@@ -104,24 +101,31 @@ def _rope(cfg: dict, arch: str) -> tuple[float, dict | None, float]:
 
 
 def _sliding_window(cfg: dict, config: ModelConfig) -> None:
-    """A sliding window shorter than the context: Phi-3's is served by cutting the context to it
-    (where full attention is the same); Mistral's is recorded, and attention stays full."""
+    """A sliding window shorter than the context, as transformers applies it: Mistral's on every
+    layer; Qwen2's and Qwen3's only with use_sliding_window, on the layers its layer_types mark
+    (by default those from max_window_layers on). Phi-3's is served by cutting the context to it
+    instead: full attention is the same there, and cheaper."""
     window, arch = cfg.get("sliding_window"), config.architecture
-    # Qwen configs carry a window they leave switched off unless use_sliding_window is set.
-    active = arch in ("mistral", "phi3") or cfg.get("use_sliding_window", False)
+    qwen = arch in ("qwen2", "qwen3")
+    active = arch in ("mistral", "phi3") or (qwen and cfg.get("use_sliding_window", False))
     if not (active and window and window < config.max_position_embeddings):
         return
     if arch == "phi3":
         serve_within_window(config, window)
         return
-    config.extra["sliding_window"] = window
-    log.warning(
-        "%s sets sliding_window=%d; tinyllm attends to the full context, so outputs "
-        "differ from the reference past %d tokens",
-        arch,
-        window,
-        window,
-    )
+    layers = None
+    if qwen:
+        n = config.num_layers
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention"
+            for i in range(n)
+        ]  # 28: transformers' default for both
+        if len(types) != n:
+            raise ModelLoadError(f"layer_types has {len(types)} entries for {n} layers")
+        layers = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+        if not layers:
+            return
+    config.sliding_window, config.sliding_window_layers = window, layers
 
 
 def hf_config(model_dir: str | Path) -> ModelConfig:

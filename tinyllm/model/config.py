@@ -56,6 +56,11 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k before RoPE
     rotary_dim: int | None = None  # RoPE on each head's first rotary_dim dims (None: all of them)
+    # Sliding-window attention (Mistral): a query at position p sees keys max(0, p - W + 1)..p,
+    # itself and the W - 1 before it, as transformers' mask does. None: the whole context.
+    sliding_window: int | None = None
+    # The layers that slide (Qwen2's and Qwen3's from max_window_layers on); None: every layer.
+    sliding_window_layers: tuple[int, ...] | None = None
     # Above 1, this is one rank's part of a model split over that many (see shard): the head
     # counts and intermediate_size above are the rank's own.
     tensor_parallel_size: int = 1
@@ -79,10 +84,17 @@ class ModelConfig:
                     f"longrope {key} has {len(scaling[key])} values; {rotated} rotated dims "
                     f"need {rotated // 2}"
                 )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ModelLoadError(f"sliding_window {self.sliding_window} must be >= 1")
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`, or None where it attends to the whole context."""
+        layers = self.sliding_window_layers
+        return self.sliding_window if layers is None or layer in layers else None
 
     def shard(self, world_size: int) -> "ModelConfig":
         """One rank's part of this model split over `world_size` ranks (tensor parallelism):
@@ -125,13 +137,14 @@ def unsupported_architecture(name: str, model_type: str) -> UnsupportedModelErro
 
 def serve_within_window(config: ModelConfig, window: int) -> None:
     """A model whose attention slides over the last `window` tokens (Phi-3-mini-4k: 2047 of
-    4096), served up to `window` tokens, where full attention is the same: tinyllm's attention
-    backends have no sliding window. The engine caps max_model_len at the context set here."""
+    4096), served up to `window` tokens, where full attention is the same and cheaper, and
+    every attention backend (CUDA's too, which has no window) runs it. The engine caps
+    max_model_len at the context set here."""
     if not 0 < window < config.max_position_embeddings:
         return
     log.warning(
-        "%s sets sliding_window=%d, shorter than its context %d; tinyllm has no sliding-window "
-        "attention, so it serves at most %d tokens (max_model_len)",
+        "%s sets sliding_window=%d, shorter than its context %d; tinyllm serves it up to its "
+        "window, at most %d tokens (max_model_len), where full attention is the same",
         config.architecture,
         window,
         config.max_position_embeddings,

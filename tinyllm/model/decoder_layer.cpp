@@ -40,8 +40,9 @@ void check_residual(const char* op, const at::Tensor& residual, const char* name
 
 // residual += hidden (when given; the first layer has nothing to add), then o_proj(attention(
 // RMSNorm(residual))), returned. weights: input_layernorm, qkv_proj, o_proj; a projection is a
-// dense weight or QuantLinear's packed records (cpu_ops.h linear). The K/V cache and the step's
-// metadata are what attention/cpu.py passes the same kernel. The step's arguments come first,
+// dense weight or QuantLinear's packed records (cpu_ops.h linear). The K/V cache, the step's
+// metadata and the layer's sliding window (None: none) are what attention/cpu.py passes the same
+// kernel. The step's arguments come first,
 // the layer's own (weights, sizes) last: the model gathers those once.
 at::Tensor decoder_attention(const std::optional<at::Tensor>& hidden, const at::Tensor& residual,
                              const at::Tensor& positions, const at::Tensor& cos,
@@ -52,7 +53,8 @@ at::Tensor decoder_attention(const std::optional<at::Tensor>& hidden, const at::
                              at::TensorList weights, const std::optional<at::Tensor>& qkv_bias,
                              const std::optional<at::Tensor>& q_norm,
                              const std::optional<at::Tensor>& k_norm, int64_t heads,
-                             int64_t kv_heads, double eps, double scale) {
+                             int64_t kv_heads, double eps, double scale,
+                             std::optional<int64_t> window) {
   TORCH_CHECK(weights.size() == 3, "decoder_attention: 3 weights, not ", weights.size());
   check_residual("decoder_attention", residual, "hidden", hidden);
   TORCH_CHECK(k_cache.dim() == 4, "decoder_attention: k_cache ", k_cache.sizes(),
@@ -83,7 +85,7 @@ at::Tensor decoder_attention(const std::optional<at::Tensor>& hidden, const at::
   tinyllm::rotary(qkv, positions, cos, sin, heads + kv_heads, dim);
   at::Tensor attn = at::empty({n, heads, dim}, residual.options());
   tinyllm::paged_attention(attn, q, k_cache, v_cache, k, v, slot_mapping, block_tables, seq_lens,
-                           query_start_loc, num_rows, scale);
+                           query_start_loc, num_rows, scale, window);
   return tinyllm::linear(attn.view({n, heads * dim}), o_w, std::nullopt, hidden_size);
 }
 
@@ -113,7 +115,7 @@ TORCH_LIBRARY_FRAGMENT(tinyllm, m) {
       "Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int num_rows, "
       "Tensor[] weights, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, int heads, "
-      "int kv_heads, float eps, float scale) -> Tensor",
+      "int kv_heads, float eps, float scale, int? window) -> Tensor",
       &decoder_attention);
   m.def(
       "decoder_mlp(Tensor o, Tensor(a!) residual, Tensor[] weights, int intermediate, float eps) "

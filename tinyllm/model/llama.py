@@ -98,6 +98,7 @@ class Attention(nn.Module):
         self.layer = layer
         self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.scale = c.head_dim**-0.5
+        self.window = c.layer_window(layer)  # its sliding window; None: the whole context
         # q, k and v as one matrix product (fuse_projections stacks Hugging Face's three).
         width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         self.qkv_proj = nn.Linear(c.hidden_size, width, bias=c.attention_bias)
@@ -117,7 +118,7 @@ class Attention(nn.Module):
             k.copy_(self.k_norm(k))
         layer_ops.rotary(qkv, positions, rope.cos, rope.sin, H + KV, D)
         k_cache, v_cache = ctx.kv_caches[self.layer]
-        out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale)
+        out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale, self.window)
         return self.o_proj(out.reshape(N, -1))
 
 
@@ -160,7 +161,7 @@ class DecoderLayer(nn.Module):
         eps = c.rms_norm_eps
         weights = [self.input_layernorm.weight, _weight(a.qkv_proj), _weight(a.o_proj)]
         heads = (c.num_heads, c.num_kv_heads)
-        self.attention_args = (weights, a.qkv_proj.bias, *norms, *heads, eps, a.scale)
+        self.attention_args = (weights, a.qkv_proj.bias, *norms, *heads, eps, a.scale, a.window)
         weights = [self.post_attention_layernorm.weight, _weight(mlp.gate_up_proj)]
         self.mlp_args = ([*weights, _weight(mlp.down_proj)], c.intermediate_size, eps)
 

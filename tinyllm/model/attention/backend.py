@@ -27,9 +27,11 @@ class AttentionBackend:
     """Writes the step's new K/V into the cache (`write`), then attends (`attend`).
 
     Subclasses implement `attend`. Shapes: q (N, Hq, D), k/v (N, Hkv, D) with Hq a multiple of
-    Hkv (grouped-query attention); caches (num_blocks + 1, block_size, Hkv, D)."""
+    Hkv (grouped-query attention); caches (num_blocks + 1, block_size, Hkv, D). `window`: a
+    layer's sliding window (ModelConfig.sliding_window), None for the whole context."""
 
     name = "base"
+    supports_sliding_window = True  # whether `attend` honours a window (get_backend checks)
 
     def forward(
         self,
@@ -40,9 +42,10 @@ class AttentionBackend:
         v_cache: Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> Tensor:
         self.write(k, v, k_cache, v_cache, meta)
-        return self.attend(q, k, v, k_cache, v_cache, meta, scale)
+        return self.attend(q, k, v, k_cache, v_cache, meta, scale, window)
 
     @staticmethod
     def write(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata):
@@ -60,9 +63,11 @@ class AttentionBackend:
         v_cache: Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> Tensor:
         """Attention output (N, Hq, D). The new tokens' K/V are already in the cache; `k` and
-        `v` are passed too, for rows whose whole context is new (a first prefill chunk)."""
+        `v` are passed too, for rows whose whole context is new (a first prefill chunk). With
+        `window`, the query at position p attends to positions max(0, p - window + 1)..p."""
         raise NotImplementedError
 
 

@@ -47,13 +47,15 @@ class CPUBackend(AttentionBackend):
         self.kernel = kernel
         self.reference = ReferenceBackend()
 
-    def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> Tensor:
+    def attend(
+        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window=None
+    ) -> Tensor:
         if not _native(q, k_cache, v_cache):
-            return self.reference.attend(q, k, v, k_cache, v_cache, meta, scale)
+            return self.reference.attend(q, k, v, k_cache, v_cache, meta, scale, window)
         out = q.new_empty(q.shape)
         tables, lens, starts = meta.block_tables, meta.seq_lens, meta.query_start_loc
         self.kernel(out, q, k_cache, v_cache, None, None, None, tables, lens, starts,
-                    meta.num_rows, scale)  # fmt: skip
+                    meta.num_rows, scale, window)  # fmt: skip
         return out
 
 

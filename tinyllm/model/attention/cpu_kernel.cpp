@@ -2,29 +2,33 @@
 //
 // One routine for every query, a decode's or a prompt's: an item is (row, up to kQueries
 // consecutive new tokens, KV head), those tokens' group of query heads together. It walks the
-// keys its last token may see from key 0 in tiles of kTile tokens, each token's K and V rows
-// found through the block table. A tile is read once for all the item's queries: bf16 rows (or
-// rows not a whole number of vectors long) converted into the thread's fp32 scratch, fp32 rows
-// in place. Each query head then takes the tile (attend_tile), its keys up to its own position,
-// with an online softmax: a running max and sum, the output so far rescaled whenever the max
-// grows. Scores kW keys at a time: each key's products along the head dim summed as a vector,
-// then the kW vectors reduced to kW scores together by a fixed tree of shuffles and adds, not
-// one horizontal sum per key. The output sums V rows in registers. A tile's lanes past a
-// query's position are masked, and no key past the item's last token is read, so whatever the
-// scratch block and the unused slots hold cannot leak in. Threads take items as they finish
-// (their costs differ). Against items of one token (a horizontal sum per key and head, bf16
-// converted per head): 2x on 8 rows of 56 new bf16 tokens after 768-1024, decode unchanged
-// (docs/INFERENCE.md, "Attention over a long context").
+// keys its tokens may see in tiles of kTile tokens, each token's K and V rows found through the
+// block table: from key 0, or under a sliding window from the tile that holds its first token's
+// first key (whole tiles before it skipped), to its last token. A tile is read once for all the
+// item's queries: bf16 rows (or rows not a whole number of vectors long) converted into the
+// thread's fp32 scratch, fp32 rows in place. Each query head then takes the tile (attend_tile),
+// its keys from its window's first (its position minus the window plus one; key 0 without a
+// window) up to its own position, with an online softmax: a running max and sum, the output so
+// far rescaled whenever the max grows. Scores kW keys at a time: each key's products along the
+// head dim summed as a vector, then the kW vectors reduced to kW scores together by a fixed tree
+// of shuffles and adds, not one horizontal sum per key. The output sums V rows in registers. A
+// tile's lanes before a query's window and past its position are masked, and no key past the
+// item's last token is read, so whatever the scratch block and the unused slots hold cannot
+// leak in. Threads take items as they finish (their costs differ). Against items of one token
+// (a horizontal sum per key and head, bf16 converted per head): 2x on 8 rows of 56 new bf16
+// tokens after 768-1024, decode unchanged (docs/INFERENCE.md, "Attention over a long context").
 //
 // Why one routine: a query's arithmetic then depends on nothing but its own position and keys,
-// not on how many tokens its row has or what shares the step. So a token's K/V and logits are
-// the same bits whether it ran in a decode, a prompt chunk of any size, a recompute after
-// preemption, or was read back from the prefix cache. Sharing a tile among an item's queries is
-// a loop interchange: each query does the operations, in the order, it would do alone
-// (tests/test_attention_cpu.py checks a token alone against chunks of 3 to 37). A second
-// routine for prompt rows (their queries in vector lanes, scores as outer products) summed in
-// another order and broke that; measured against the per-query routine of the time on a
-// 2000-token prompt and on offline-small, it was no faster.
+// not on how many tokens its row has or what shares the step. Tiles start at multiples of kTile
+// and a query's first key follows from its own position, so a window keeps that: the tiles a
+// query takes, and which of their keys it sees, are the same whatever shares its item. So a
+// token's K/V and logits are the same bits whether it ran in a decode, a prompt chunk of any
+// size, a recompute after preemption, or was read back from the prefix cache. Sharing a tile
+// among an item's queries is a loop interchange: each query does the operations, in the order,
+// it would do alone (tests/test_attention_cpu.py checks a token alone against chunks of 3 to 37,
+// with and without a window). A second routine for prompt rows (their queries in vector lanes,
+// scores as outer products) summed in another order and broke that; measured against the
+// per-query routine of the time on a 2000-token prompt and on offline-small, it was no faster.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -137,6 +141,7 @@ struct Step {
   T* out;
   const int64_t *tables, *lens, *starts;
   float scale;
+  int64_t window;  // keys a query sees, itself included; no sliding window: the most int64 holds
 
   int64_t head_dim() const { return kD ? kD : D; }
   int64_t padded() const { return padded_dim(head_dim()); }
@@ -185,18 +190,20 @@ struct InPlace {
 };
 
 // One query head's step over a tile: its query `q` and state (output so far `a`, max, sum), the
-// tile's first `cnt` keys (those it may see), rows of P floats (P: the head dim padded to a
-// multiple of kVecs vectors, the padding zeros; kP: P when known at compile time, else 0).
+// tile's keys [from, cnt) (those it may see: `from` > 0 where its window starts in the tile, and
+// from < cnt), rows of P floats (P: the head dim padded to a multiple of kVecs vectors, the
+// padding zeros; kP: P when known at compile time, else 0).
 // Every query runs exactly this, on nothing but its own values, however many queries share the
 // tile: the arithmetic that makes a token's bits independent of its item.
 template <int64_t kP, typename Rows>
 void attend_tile(const float* __restrict q, float* __restrict a, float& m, float& l, Rows k,
-                 Rows v, int64_t cnt, int64_t padded) {
+                 Rows v, int64_t from, int64_t cnt, int64_t padded) {
   const int64_t P = kP ? kP : padded;
   alignas(64) float p[kTile];
   // Scores kW keys at a time: each key's products summed as vectors along the head dim, then
   // the kW keys' vectors reduced together (sum_lanes) instead of one horizontal sum per key.
-  for (int64_t t0 = 0; t0 < cnt; t0 += kW) {
+  // Blocks wholly before the window are skipped; the lanes of the rest before it are masked.
+  for (int64_t t0 = from / kW * kW; t0 < cnt; t0 += kW) {
     Vec s[kW];
     for (int t = 0; t < kW; ++t) {
       const float* kt = k[t0 + t];
@@ -206,18 +213,19 @@ void attend_tile(const float* __restrict q, float* __restrict a, float& m, float
     store(p + t0, sum_lanes<kW / 2>(s));
   }
   // The whole tile in these loops (a fixed trip count vectorizes cleanly, where a loop to cnt
-  // would be a chain of scalar maxima), the lanes past cnt masked: they hold other keys' scores
-  // or stale ones.
+  // would be a chain of scalar maxima), the lanes outside [from, cnt) masked: they hold other
+  // keys' scores, stale ones or none yet.
   Vec top = Vec{} + m;
   const IVec lane = iota(kLanes);
+  const auto lo = static_cast<int32_t>(from), hi = static_cast<int32_t>(cnt);
   for (int32_t t = 0; t < kTile; t += kW) {
     const Vec x = load(p + t);
-    top = (lane + t < static_cast<int32_t>(cnt)) & (x > top) ? x : top;
+    top = (lane + t >= lo) & (lane + t < hi) & (x > top) ? x : top;
   }
   const float mx = max_lane<kW / 2>(top);
   float sum = 0.f;
   for (int64_t t = 0; t < kTile; ++t) {
-    p[t] = t < cnt ? fast_exp(p[t] - mx) : 0.f;
+    p[t] = t >= from && t < cnt ? fast_exp(p[t] - mx) : 0.f;
     sum += p[t];
   }
   const float alpha = fast_exp(m - mx);  // ~0 on the first tile, where m is -inf
@@ -228,7 +236,7 @@ void attend_tile(const float* __restrict q, float* __restrict a, float& m, float
   for (int64_t x = 0; x < P; x += kVecs * kW) {
     Vec even[kVecs], odd[kVecs];
     for (int c = 0; c < kVecs; ++c) even[c] = load(a + x + c * kW) * alpha, odd[c] = Vec{};
-    int64_t t = 0;
+    int64_t t = from;
     for (; t + 2 <= cnt; t += 2) {
       const float *v0 = v[t] + x, *v1 = v[t + 1] + x;
       for (int c = 0; c < kVecs; ++c) {
@@ -245,15 +253,18 @@ void attend_tile(const float* __restrict q, float* __restrict a, float& m, float
 
 // New tokens [tok, tok + nq) of a row (token i's position: the row's context minus its new
 // tokens, plus i), KV head g's query heads. Each tile of keys is read (and converted) once for
-// all of them; each query takes the tiles up to its own position. fp32 rows of a whole number of
-// kVecs vectors are read in place, any other rows through the scratch: one way per dtype and
-// head dim, so every query of a model reads its keys alike.
+// all of them; each query takes the tiles from its window's first key up to its own position.
+// fp32 rows of a whole number of kVecs vectors are read in place, any other rows through the
+// scratch: one way per dtype and head dim, so every query of a model reads its keys alike.
 template <int64_t kD, typename T>
 void attend_queries(const Step<kD, T>& c, int64_t row, int64_t tok, int64_t nq, int64_t g,
                     Scratch& w) {
   const int64_t n = c.starts[row + 1] - c.starts[row];
   const int64_t D = c.head_dim(), P = c.padded(), G = c.G;
   const int64_t first = c.lens[row] - n + tok + 1, L = first + nq - 1;  // keys the first, last see
+  // Query j sees keys [start(j), first + j): up to its own, and within the window before it.
+  auto start = [&](int64_t j) { return std::max<int64_t>(0, first + j - c.window); };
+  const int64_t k_begin = start(0) / kTile * kTile;  // tiles before every query's window: skipped
   float *qf = w.q.data(), *acc = w.out.data();
   for (int64_t j = 0; j < nq; ++j) {
     const T* q = c.q + (c.starts[row] + tok + j) * c.q_row + g * G * D;  // the heads adjacent
@@ -266,16 +277,17 @@ void attend_queries(const Step<kD, T>& c, int64_t row, int64_t tok, int64_t nq, 
   std::fill(w.l.begin(), w.l.begin() + nq * G, 0.f);
   const T* k_tiles[2][kTile];  // this tile's rows and the next one's
   const T* v_tiles[2][kTile];
-  c.rows(row, g, 0, std::min(kTile, L), k_tiles[0], v_tiles[0]);
+  c.rows(row, g, k_begin, std::min(kTile, L - k_begin), k_tiles[0], v_tiles[0]);
   constexpr bool kInPlace = std::is_same_v<T, float> && kD && kD == padded_dim(kD);
   const float *k_rows[kTile], *v_rows[kTile];  // in place: this tile's rows
   if constexpr (kInPlace) {
     // Rows past a tile's cnt are read by its last score block (and masked): until a tile sets
-    // them, key 0's; after, the previous tile's. Rows of this context, never outside the caches.
+    // them, key k_begin's; after, the previous tile's. Rows of this context, never outside the
+    // caches.
     std::fill(k_rows, k_rows + kTile, k_tiles[0][0]);
     std::fill(v_rows, v_rows + kTile, v_tiles[0][0]);
   }
-  for (int64_t k0 = 0, i = 0; k0 < L; k0 += kTile, i ^= 1) {
+  for (int64_t k0 = k_begin, i = 0; k0 < L; k0 += kTile, i ^= 1) {
     const int64_t cnt = std::min(kTile, L - k0), next = std::min(kTile, L - k0 - kTile);
     if (next > 0) {  // ask for the next tile now, so its loads overlap this tile's arithmetic
       c.rows(row, g, k0 + kTile, next, k_tiles[i ^ 1], v_tiles[i ^ 1]);
@@ -292,14 +304,17 @@ void attend_queries(const Step<kD, T>& c, int64_t row, int64_t tok, int64_t nq, 
     }
     for (int64_t j = 0; j < nq; ++j) {
       if (first + j <= k0) continue;  // this query's keys ended before the tile
+      const int64_t from = std::max<int64_t>(0, start(j) - k0);
+      if (from >= kTile) continue;  // its window starts after the tile
       const int64_t seen = std::min(kTile, first + j - k0);
       for (int64_t h = 0, x = j * G; h < G; ++h, ++x) {
         if constexpr (kInPlace) {
           attend_tile<kD>(qf + x * P, acc + x * P, w.m[x], w.l[x], InPlace{k_rows},
-                          InPlace{v_rows}, seen, P);
+                          InPlace{v_rows}, from, seen, P);
         } else {
           attend_tile<kD ? padded_dim(kD) : 0>(qf + x * P, acc + x * P, w.m[x], w.l[x],
-                                           Packed{w.k.data(), P}, Packed{w.v.data(), P}, seen, P);
+                                           Packed{w.k.data(), P}, Packed{w.v.data(), P}, from,
+                                           seen, P);
         }
       }
     }
@@ -320,13 +335,13 @@ template <int64_t kD, typename T>
 void attend_impl(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                  const at::Tensor& v_cache, const at::Tensor& block_tables,
                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_rows,
-                 double scale) {
+                 double scale, int64_t window) {
   const int64_t Hkv = k_cache.size(2), G = q.size(1) / Hkv, D = q.size(2);
   const Step<kD, T> c{q.size(1), D, k_cache.size(1), Hkv, G, block_tables.size(1), q.stride(0),
                       q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
                       out.data_ptr<T>(), block_tables.data_ptr<int64_t>(),
                       seq_lens.data_ptr<int64_t>(), query_start_loc.data_ptr<int64_t>(),
-                      static_cast<float>(scale)};
+                      static_cast<float>(scale), window};
   std::vector<Item> items;
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t n = c.starts[r + 1] - c.starts[r];
@@ -352,10 +367,10 @@ template <typename T>
 void attend_typed(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_rows,
-                  double scale) {
+                  double scale, int64_t window) {
   auto run = [&](auto kD) {
     attend_impl<decltype(kD)::value, T>(out, q, k_cache, v_cache, block_tables, seq_lens,
-                                        query_start_loc, num_rows, scale);
+                                        query_start_loc, num_rows, scale, window);
   };
   switch (q.size(2)) {  // the common head dims get unrolled loops
     case 64: return run(std::integral_constant<int64_t, 64>{});
@@ -466,22 +481,27 @@ namespace tinyllm {
 // Attention for rows [0, num_rows) of the step, written into out (N, Hq, D). With k, v and
 // slot_mapping, the step's new K/V rows are written into the caches first; without, the caches
 // already hold every row's context, this step's new tokens included. q's rows may be strided.
+// With a sliding window, the query at position p attends to keys max(0, p - window + 1)..p.
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const std::optional<at::Tensor>& k,
                      const std::optional<at::Tensor>& v,
                      const std::optional<at::Tensor>& slot_mapping,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     const at::Tensor& query_start_loc, int64_t num_rows, double scale) {
+                     const at::Tensor& query_start_loc, int64_t num_rows, double scale,
+                     std::optional<int64_t> window) {
   check_step(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_rows);
   TORCH_CHECK(k.has_value() == v.has_value() && k.has_value() == slot_mapping.has_value(),
               "paged_attention: k, v and slot_mapping come together");
+  TORCH_CHECK(!window || *window >= 1, "paged_attention: window ", window.value_or(0),
+              " must be >= 1 (a query sees at least itself)");
+  const int64_t keys = window.value_or(std::numeric_limits<int64_t>::max());
   if (k) write_cache(k_cache, v_cache, *k, *v, *slot_mapping, q.size(0));
   if (q.scalar_type() == at::kFloat) {
     attend_typed<float>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                        num_rows, scale);
+                        num_rows, scale, keys);
   } else {
     attend_typed<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens,
-                                query_start_loc, num_rows, scale);
+                                query_start_loc, num_rows, scale, keys);
   }
 }
 
@@ -493,6 +513,6 @@ TORCH_LIBRARY(tinyllm, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor(b!) k_cache, Tensor(c!) v_cache, "
       "Tensor? k, Tensor? v, Tensor? slot_mapping, Tensor block_tables, Tensor seq_lens, "
-      "Tensor query_start_loc, int num_rows, float scale) -> ()",
+      "Tensor query_start_loc, int num_rows, float scale, int? window=None) -> ()",
       &tinyllm::paged_attention);
 }

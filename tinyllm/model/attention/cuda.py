@@ -44,11 +44,17 @@ def _pow2(n: int) -> int:
 
 class CudaBackend(AttentionBackend):
     name = "cuda"
+    # The kernel attends to the whole context; a window needs a lower bound on each row's keys
+    # (and a first chunk that is not wholly masked for some row), untested without a GPU here.
+    supports_sliding_window = False
 
     def __init__(self, kernel):
         self.kernel = kernel
 
-    def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> Tensor:
+    def attend(
+        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window=None
+    ) -> Tensor:
+        assert window is None  # get_backend does not pick this backend for a model with one
         # The kernel steps through head_dim with unit stride and shares one set of cache strides.
         assert q.stride(-1) == k_cache.stride(-1) == 1 and v_cache.stride() == k_cache.stride()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -23,11 +23,13 @@ def gather_blocks(cache: Tensor, table: Tensor) -> Tensor:
 class ReferenceBackend(AttentionBackend):
     name = "reference"
 
-    def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> Tensor:
+    def attend(
+        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window=None
+    ) -> Tensor:
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window)
         bs = k_cache.shape[1]
         start = nd
         for r in range(nd, meta.num_rows):
@@ -35,14 +37,17 @@ class ReferenceBackend(AttentionBackend):
             qr = q[start : start + n].transpose(0, 1)[None]  # (1, Hq, n, D)
             if n == L:  # the whole context is new: no need to read the cache
                 kr, vr = k[start : start + n], v[start : start + n]
-                mask = None
             else:
                 table = meta.block_tables[r : r + 1, : math.ceil(L / bs)]
                 kr = gather_blocks(k_cache, table)[0, :L]
                 vr = gather_blocks(v_cache, table)[0, :L]
-                # New token i sits at position L - n + i and sees keys up to it.
+            mask = None  # a whole context without a window: SDPA's own causal mask
+            if n != L or window is not None:
+                # New token i sits at position L - n + i and sees keys up to it, and in a
+                # window only the window - 1 before it.
                 rows = torch.arange(L - n, L, device=q.device)[:, None]
-                mask = torch.arange(L, device=q.device)[None, :] <= rows
+                keys = torch.arange(L, device=q.device)[None, :]
+                mask = (keys <= rows) & (keys > rows - (window or L))
             o = F.scaled_dot_product_attention(
                 qr,
                 kr.transpose(0, 1)[None],
@@ -57,15 +62,21 @@ class ReferenceBackend(AttentionBackend):
         return out
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> Tensor:
-        """All one-token rows at once: gather, mask each row past its length, one SDPA.
-        The slots past a row's length (its last block's tail, the scratch block) were never
-        written and may hold NaN: masking their scores is not enough, as a weight of 0 times a
-        NaN value is NaN, so the gathered copies are zeroed there first."""
+    def _decode(
+        q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None
+    ) -> Tensor:
+        """All one-token rows at once: gather, mask each row past its length (and before its
+        window), one SDPA. The slots past a row's length (its last block's tail, the scratch
+        block) were never written and may hold NaN: masking their scores is not enough, as a
+        weight of 0 times a NaN value is NaN, so the gathered copies are zeroed there first."""
         nd, bs = meta.num_decodes, k_cache.shape[1]
         n_blocks = math.ceil(max(meta.seq_lens_cpu[:nd]) / bs)
         table = meta.block_tables[:nd, :n_blocks]
-        visible = torch.arange(n_blocks * bs, device=q.device) < meta.seq_lens[:nd, None]
+        keys = torch.arange(n_blocks * bs, device=q.device)
+        lens = meta.seq_lens[:nd, None]
+        visible = keys < lens
+        if window is not None:
+            visible &= keys >= lens - window
         hidden = ~visible[:, :, None, None]
         keys = gather_blocks(k_cache, table).masked_fill_(hidden, 0).transpose(1, 2)
         values = gather_blocks(v_cache, table).masked_fill_(hidden, 0).transpose(1, 2)

@@ -12,9 +12,12 @@ log = logging.getLogger("tinyllm")
 BACKENDS = ("auto", "reference", "cpu", "cuda")
 
 
-def get_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto`: the in-place backend for the device if it loads here, else the reference
-    (with a warning saying why). Naming a backend that cannot run here is an error."""
+def get_backend(
+    name: str, device: torch.device, sliding_window: int | None = None
+) -> AttentionBackend:
+    """`auto`: the in-place backend for the device if it loads here and runs the model's
+    `sliding_window` (ModelConfig's), else the reference (with a warning saying why). Naming a
+    backend that cannot run here, or cannot run the model, is an error."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend={name!r}: choose one of {', '.join(BACKENDS)}")
     if name == "reference":
@@ -29,6 +32,9 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
     else:
         from tinyllm.model.attention.cuda import load_cuda_backend as load
     backend, why = load()
+    if backend is not None and sliding_window is not None and not backend.supports_sliding_window:
+        why = f"the {wanted} backend has no sliding window, and the model sets {sliding_window=}"
+        backend = None
     if backend is not None:
         return backend
     if name != "auto":
