@@ -8,8 +8,12 @@ Single-stream workloads (grounded, single) alternate request by request; batched
 single stream's request runs on both sides at once, one engine step each in turn, each side's
 clock counting its own steps only: a busy machine's load, which moves over seconds, then hits
 both alike (2026-12-02, load 5-7 on 2 cores: each round's on/off ratio of `single` sampled
-within 0.90-1.06 by step, against 0.56-1.35 request by request). Prints each side's output
-tokens/s and the ratio, and the drafts accepted.
+within 0.90-1.06 by step, against 0.56-1.35 request by request). But stepping two engines in
+turn slows one-row steps (bound by streaming the weights) more than verified rows: with
+speculation off on both sides each side made 79 tok/s by step against 98 one engine after the
+other, so `--by-step` reads `grounded`, where the sides' steps differ most, high (1.95x against
+1.7-1.8x request by request, docs/INFERENCE.md). Use it where both sides run one-row steps
+(`single` sampled). Prints each side's output tokens/s and the ratio, and the drafts accepted.
 
     PYTHONPATH=. python benchmarks/spec_decode_ab.py grounded --threads 1
     PYTHONPATH=. python benchmarks/spec_decode_ab.py single --temperature 1 --rounds 4
@@ -99,7 +103,8 @@ def main() -> None:
     p.add_argument(
         "--by-step",
         action="store_true",
-        help="single streams: both sides step the same request in turn (module docstring)",
+        help="single streams: both sides step the same request in turn (module docstring: "
+        "it reads grounded high)",
     )
     args = p.parse_args()
     llm = LLM(threads=args.threads)
