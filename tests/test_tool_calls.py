@@ -14,6 +14,10 @@ CALL = '<tool_call>\n{"name": "add", "arguments": {"x": 1, "y": [2, "}"]}}\n</to
 WEATHER = (
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris \\"FR\\""}}\n</tool_call>'
 )
+# A call whose argument is text holding the end tag itself (a model writing about tool calls).
+QUOTED_TAG = (
+    '<tool_call>\n{"name": "note", "arguments": {"text": "ends with </tool_call>!"}}\n</tool_call>'
+)
 
 
 def test_text_without_calls_is_content():
@@ -31,6 +35,17 @@ def test_calls_and_the_text_before_them():
     ]
     assert all(c.complete and c.id.startswith("call_") for c in parsed.calls)
     assert len({c.id for c in parsed.calls}) == 2
+
+
+def test_an_end_tag_inside_a_string_argument_is_text_not_the_end():
+    parsed = parse_tool_calls(f"{QUOTED_TAG}\n{CALL}")
+    assert [(c.name, json.loads(c.arguments), c.complete) for c in parsed.calls] == [
+        ("note", {"text": "ends with </tool_call>!"}, True),
+        ("add", {"x": 1, "y": [2, "}"]}, True),
+    ]
+    # Outside a string it ends the call, even where the JSON is not closed.
+    (call,) = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"a": 1}</tool_call>').calls
+    assert (call.name, call.arguments, call.complete) == ("f", '{"a": 1}', True)
 
 
 def test_arguments_before_the_name_and_compact_json():
@@ -82,6 +97,7 @@ def _stream(text: str, cuts: list[int]):
         CALL,
         "Just text, with a < and a <tool but no call.\n",
         "  leading spaces then a call\n\n" + WEATHER,
+        f"{QUOTED_TAG}\n{CALL}",
     ],
 )
 def test_streaming_in_any_pieces_reassembles_to_the_whole_parse(text):
@@ -152,6 +168,7 @@ def _fed(pieces: list[str]) -> list[tuple[str, list[tuple[int, str, bool, str | 
 FRAGMENTS = [
     *("<tool_call>", "</tool_call>", "<tool_c", "</tool", "\n", " ", ",", ":", "{", "}", "[", "]"),
     *('"', "\\", "1", "tru", "x", '"name"', '"arguments"', ': "f"', '{"a": [1, "}"]}', '"\\x"'),
+    '"a </tool_call> in a string"',
     '{"name": "add", "arguments": {"x": 1}}',
 ]
 
@@ -194,5 +211,5 @@ def test_a_long_call_streamed_in_small_pieces_is_read_once(monkeypatch):
     assert content == whole.content == "Writing it."
     assert [(c["name"], c["arguments"]) for c in calls] == [("write", arguments)]
     assert [(c.name, c.arguments) for c in whole.calls] == [("write", arguments)]
-    # Read once while streaming, once more where </tool_call> arrived split, once in the parse.
-    assert scanned <= 3 * len(text) + 100
+    # Read once while streaming and once in the parse.
+    assert scanned <= 2 * len(text) + 100

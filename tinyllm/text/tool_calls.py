@@ -107,10 +107,7 @@ class _CallScan:
     def __init__(self, start: int) -> None:
         self.start = start  # where the body starts, after <tool_call>
         self.stop = -1  # where </tool_call> starts, once seen
-        self._restart()
-
-    def _restart(self) -> None:
-        self.seen = self.next = self.start  # text read up to, and the next character to take
+        self.next = start  # the next character to take
         self.expect = _OBJECT
         self.key: Any = None
         self.value: _Value | None = None  # the key or value being read
@@ -133,16 +130,14 @@ class _CallScan:
             return self.arguments, self.arguments_end
         return self.arguments, self.stop if self.stop >= 0 else len(text)
 
-    def finish(self, text: str, stop: int) -> None:
-        """The body ends at `stop`."""
-        if self.seen > stop:  # what was read past it turned out to be </tool_call>
-            self._restart()
-        self.scan(text, stop)
-        self.stop = stop
+    def in_string_at(self, text: str, at: int) -> bool:
+        """Whether `at` (not read yet) is inside one of the body's JSON strings: a
+        `</tool_call>` there is text of an argument, not the call's end."""
+        self.scan(text, at)
+        return self.value is not None and self.value.in_string
 
     def scan(self, text: str, stop: int) -> None:
         """Read the body on, up to `stop`."""
-        self.seen = stop
         i, expect = self.next, self.expect
         while i < stop and expect != _DONE:
             if self.value is not None:
@@ -198,9 +193,14 @@ class _AnswerScan:
                 end = text.find(CALL_END, self.search_from)
                 if end < 0:
                     self.search_from = max(self.search_from, len(text) - len(CALL_END) + 1)
-                    call.scan(text, len(text))
+                    # Not into what may begin </tool_call>: whether it ends the call depends on
+                    # the body's state before it (in_string_at), so it is read only once whole.
+                    call.scan(text, len(text) - _partial_tag(text, CALL_END))
                     return
-                call.finish(text, end)
+                if call.in_string_at(text, end):
+                    self.search_from = end + 1
+                    continue
+                call.stop = end
                 self.search_from = end + len(CALL_END)
             else:
                 start = text.find(CALL_START, self.search_from)
@@ -219,14 +219,14 @@ class _AnswerScan:
         if self.calls:  # text before the first call, which is final
             end = self.calls[0].start - len(CALL_START)
         else:  # less what could still turn out to be the start of a call
-            end = len(text) - _partial_call_start(text)
+            end = len(text) - _partial_tag(text, CALL_START)
         return known + len(text[known:end].rstrip(_WHITESPACE))
 
 
-def _partial_call_start(text: str) -> int:
-    """The length of the end of `text` that `<tool_call>` starts with (0: none)."""
-    for n in range(min(len(CALL_START) - 1, len(text)), 0, -1):
-        if CALL_START.startswith(text[-n:]):
+def _partial_tag(text: str, tag: str) -> int:
+    """The length of the end of `text` that `tag` starts with (0: none)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
 
