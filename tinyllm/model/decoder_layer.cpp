@@ -42,8 +42,8 @@ void check_residual(const char* op, const at::Tensor& residual, const char* name
 // RMSNorm(residual))), returned. weights: input_layernorm, qkv_proj, o_proj; a projection is a
 // dense weight or QuantLinear's packed records (cpu_ops.h linear). The K/V cache, the step's
 // metadata and the layer's sliding window (None: none) are what attention/cpu.py passes the same
-// kernel. The step's arguments come first,
-// the layer's own (weights, sizes) last: the model gathers those once.
+// kernel. The step's arguments come first, the layer's own (weights, sizes) last: the model
+// gathers those once.
 at::Tensor decoder_attention(const std::optional<at::Tensor>& hidden, const at::Tensor& residual,
                              const at::Tensor& positions, const at::Tensor& cos,
                              const at::Tensor& sin, const at::Tensor& k_cache,

@@ -72,11 +72,11 @@ class ReferenceBackend(AttentionBackend):
         nd, bs = meta.num_decodes, k_cache.shape[1]
         n_blocks = math.ceil(max(meta.seq_lens_cpu[:nd]) / bs)
         table = meta.block_tables[:nd, :n_blocks]
-        keys = torch.arange(n_blocks * bs, device=q.device)
+        slots = torch.arange(n_blocks * bs, device=q.device)
         lens = meta.seq_lens[:nd, None]
-        visible = keys < lens
+        visible = slots < lens
         if window is not None:
-            visible &= keys >= lens - window
+            visible &= slots >= lens - window
         hidden = ~visible[:, :, None, None]
         keys = gather_blocks(k_cache, table).masked_fill_(hidden, 0).transpose(1, 2)
         values = gather_blocks(v_cache, table).masked_fill_(hidden, 0).transpose(1, 2)
