@@ -28,7 +28,10 @@ class RandomDrafts:
     def __init__(self, vocab: int):
         self.k, self.vocab, self.rng = 0, vocab, random.Random(0)
 
-    def propose(self, token_ids, max_tokens=None) -> list[int]:
+    def new_index(self) -> None:
+        return None  # the engine keeps a proposer's index per request; random drafts need none
+
+    def propose(self, token_ids, max_tokens=None, index=None) -> list[int]:
         k = self.k if max_tokens is None else min(self.k, max_tokens)
         return [self.rng.randrange(100, self.vocab - 100) for _ in range(k)]
 

@@ -145,6 +145,21 @@ def test_quant_linear_takes_bf16_activations():
     torch.testing.assert_close(y.double(), expected, rtol=4e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7])  # the vector path, and AMX tiles where the CPU has them
+def test_a_nan_activation_makes_its_rows_outputs_nan(dtype, rows):
+    """As a float matrix product: a NaN is no number to quantize, and a code made of one gave
+    plausible outputs. The other rows stay as they were."""
+    gen = torch.Generator().manual_seed(2)
+    layer = QuantLinear(random_groups(48, 96, 4, gen), None, dtype, in_features=96)
+    x = torch.randn(rows, 96, generator=gen).to(dtype)
+    clean = layer(x)
+    x[0, 40] = float("nan")
+    y = layer(x)
+    assert y[0].isnan().all()
+    assert torch.equal(y[1:], clean[1:])
+
+
 def test_quant_linear_rejects_weights_of_another_shape():
     layer = QuantLinear(random_groups(32, 64, 4, torch.Generator()), None, torch.float32, 64)
     with pytest.raises(RuntimeError, match="do not fit 32 outputs of 96 inputs at 4 bits"):

@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -76,34 +77,80 @@ inline const int8_t* codes(const Quantized& x, int64_t r, int64_t b) {
   return x.q + (b * x.rows + r) * 2 * kBlock;
 }
 
+// One block of 32 activations (zeros past K) to its codes, scale and sum. The loops have fixed
+// trip counts and no branches, so that they vectorize: 4x faster than the scalar loops were
+// (2.4 ns a value, a fifth of a 7-row call of the default model's down_proj).
+inline void quantize_block(const float* __restrict v, int8_t* __restrict q1,
+                           int8_t* __restrict q2, float* __restrict d, float* __restrict s) {
+  // The largest |v| as an integer max over the values' bits without their signs, which orders
+  // them as their magnitudes (a float max does not vectorize, for NaN's sake). A NaN's bits are
+  // above every number's, so a block with one gets a NaN scale and its row NaN outputs, as a
+  // float matrix product gives (its code alone would be some integer, the outputs plausible).
+  int32_t top = 0;
+  for (int64_t j = 0; j < kBlock; ++j) {
+    int32_t bits;
+    std::memcpy(&bits, v + j, sizeof bits);
+    top = std::max(top, bits & 0x7FFFFFFF);
+  }
+  float amax;
+  std::memcpy(&amax, &top, sizeof amax);
+  const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+  // The codes as int32 first (|code| <= 127, so each narrows exactly): the sums then add them
+  // as they are, where reading the int8 codes back cost as much as making them.
+  alignas(64) int32_t c1[kBlock], c2[kBlock];
+  for (int64_t j = 0; j < kBlock; ++j) {
+    const float coarse = std::nearbyint(v[j] * inv);
+    c1[j] = static_cast<int32_t>(coarse);
+    c2[j] = static_cast<int32_t>(std::nearbyint((v[j] * inv - coarse) * kFine));
+  }
+  for (int64_t j = 0; j < kBlock; ++j) {
+    q1[j] = static_cast<int8_t>(c1[j]);
+    q2[j] = static_cast<int8_t>(c2[j]);
+  }
+  int32_t sum1 = 0, sum2 = 0;
+  for (int64_t j = 0; j < kBlock; ++j) sum1 += c1[j], sum2 += c2[j];
+  *d = scale;
+  *s = scale * (static_cast<float>(sum1) + static_cast<float>(sum2) / kFine);
+}
+
 template <typename T>
 void quantize_rows(const T* x, int64_t rows, int64_t k, int64_t blocks, int8_t* q, float* d,
                    float* s) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    float v[kBlock];
+    alignas(64) float v[kBlock];
     for (int64_t i = begin; i < end; ++i) {
       for (int64_t b = 0; b < blocks; ++b) {
-        float amax = 0.f;
-        for (int64_t j = 0; j < kBlock; ++j) {
-          const int64_t col = b * kBlock + j;
-          v[j] = col < k ? static_cast<float>(x[i * k + col]) : 0.f;  // zeros past K
-          amax = std::max(amax, std::fabs(v[j]));
+        const T* in = x + i * k + b * kBlock;
+        if ((b + 1) * kBlock <= k) {
+          for (int64_t j = 0; j < kBlock; ++j) v[j] = static_cast<float>(in[j]);
+        } else {
+          for (int64_t j = 0; j < kBlock; ++j) {
+            v[j] = b * kBlock + j < k ? static_cast<float>(in[j]) : 0.f;  // zeros past K
+          }
         }
-        const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        int32_t sum1 = 0, sum2 = 0;
-        int8_t *q1 = q + (b * rows + i) * 2 * kBlock, *q2 = q1 + kBlock;
-        for (int64_t j = 0; j < kBlock; ++j) {
-          const float coarse = std::nearbyint(v[j] * inv);
-          q1[j] = static_cast<int8_t>(coarse);
-          q2[j] = static_cast<int8_t>(std::nearbyint((v[j] * inv - coarse) * kFine));
-          sum1 += q1[j];
-          sum2 += q2[j];
-        }
-        d[i * blocks + b] = scale;
-        s[i * blocks + b] = scale * (static_cast<float>(sum1) + static_cast<float>(sum2) / kFine);
+        int8_t* q1 = q + (b * rows + i) * 2 * kBlock;
+        quantize_block(v, q1, q1 + kBlock, d + i * blocks + b, s + i * blocks + b);
       }
     }
   });
+}
+
+// A tile's 16 sums into the first `width` of out, rounded to T as static_cast rounds (bf16: to
+// nearest even, NaN as 0x7FC0), in loops that vectorize: c10's bf16 rounding branches on NaN.
+template <typename T>
+inline void store_lanes(const float* acc, T* out, int64_t width) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    uint16_t bits[kRows];
+    for (int64_t lane = 0; lane < kRows; ++lane) {
+      uint32_t u;
+      std::memcpy(&u, acc + lane, sizeof u);
+      const auto rounded = static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+      bits[lane] = acc[lane] != acc[lane] ? uint16_t{0x7FC0} : rounded;
+    }
+    std::memcpy(out, bits, width * sizeof(uint16_t));
+  } else {
+    for (int64_t lane = 0; lane < width; ++lane) out[lane] = static_cast<T>(acc[lane]);
+  }
 }
 
 #if defined(__AVX2__)
@@ -343,7 +390,7 @@ void run_tiles_amx(const uint8_t* packed, const Quantized& x, T* y, int64_t rows
         }
         for (int64_t r = 0; r < count; ++r) {
           T* out = y + (r0 + r) * n + t * kRows;
-          for (int64_t lane = 0; lane < width; ++lane) out[lane] = static_cast<T>(acc[r][lane]);
+          store_lanes(acc[r], out, width);
         }
       }
     }
@@ -484,7 +531,7 @@ void run_tiles(const uint8_t* packed, const Quantized& x, T* y, int64_t rows, in
         }
         for (int64_t r = 0; r < std::min<int64_t>(kMaxRows, rows - r0); ++r) {
           T* out = y + (r0 + r) * n + t * kRows;
-          for (int64_t lane = 0; lane < width; ++lane) out[lane] = static_cast<T>(acc[r][lane]);
+          store_lanes(acc[r], out, width);
         }
       }
     }
