@@ -11,13 +11,18 @@ from memory, not from the last-level cache, as in a real step. Printed, per laye
     cpu        CPUBackend.attend (the kernel reading the blocks in place)
 
 each the best of `--reps` after a warm-up, taking turns, and the ratios cpu / bound and
-reference / cpu. Then chunked prefills: `--prefill-rows` rows of `--prefill-new` new tokens
-after `--prefill-ctx` earlier ones (each combination), both backends, with the attention FLOP
-rate each reaches. `--window W`: a sliding window (a query sees itself and the W - 1 keys
-before it), the bound and FLOPs counted over the keys the window keeps.
+reference / cpu. `--queries N`: each decode row a verified draft of speculative decoding, N new
+tokens (the sampled one and N - 1 drafts) at the end of its context, one work item of the
+kernel. `--q-scale S`: q times S, the scores spread S times wider; past a spread of ~80 a key
+far below its row's maximum gets a weight near fast_exp's floor (1.6e-38), and its V row times
+that is a denormal (what the kernel's flush-to-zero mode is for). Then chunked prefills:
+`--prefill-rows` rows of `--prefill-new` new tokens after `--prefill-ctx` earlier ones (each
+combination), both backends, with the attention FLOP rate each reaches. `--window W`: a
+sliding window (a query sees itself and the W - 1 keys before it), the bound and FLOPs counted
+over the keys the window keeps.
 
 Run: python benchmarks/decode_attention.py [--batch 64] [--ctx 512] [--threads 2]
-[--dtype bfloat16] [--window 256]
+[--dtype bfloat16] [--window 256] [--queries 7] [--q-scale 40]
 """
 
 import argparse
@@ -89,6 +94,7 @@ def attention_runs(
     cold: bool,
     dtype: torch.dtype,
     window: int | None,
+    q_scale: float = 1.0,
 ) -> tuple[list[Callable[[], Tensor]], int]:
     """Functions running the reference's and the CPU backend's attend over `n` layers' caches
     (random K and V, the same tables), and `n`. `cold`: enough layers to overflow twice the
@@ -103,7 +109,7 @@ def attention_runs(
         for _ in range(n_layers)
     ]
     N = sum(new)
-    q = torch.randn(N, HQ, D, generator=gen).to(dtype)
+    q = (torch.randn(N, HQ, D, generator=gen) * q_scale).to(dtype)
     k = torch.randn(N, HKV, D, generator=gen).to(dtype)
     v = torch.randn(N, HKV, D, generator=gen).to(dtype)
     for kc, vc in caches:
@@ -136,6 +142,8 @@ def main() -> None:
     p.add_argument("--prefill-ctx", type=int, nargs="+", default=[512])
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--window", type=int, default=None, help="a sliding window of W keys")
+    p.add_argument("--queries", type=int, default=1, help="new tokens per decode row")
+    p.add_argument("--q-scale", type=float, default=1.0, help="q times this: wider scores")
     args = p.parse_args()
     window = args.window
     dtype = getattr(torch, args.dtype)
@@ -148,7 +156,8 @@ def main() -> None:
     src = torch.ones(copy_bytes // 4)
     dst = torch.empty_like(src)
     lens = [args.ctx] * args.batch
-    runs, n_layers = attention_runs(cpu, lens, [1] * args.batch, True, dtype, window)
+    new = [args.queries] * args.batch
+    runs, n_layers = attention_runs(cpu, lens, new, True, dtype, window, args.q_scale)
     copy, ref, fast = best_interleaved([lambda: dst.copy_(src), *runs], args.reps)
     ref, fast = ref / n_layers, fast / n_layers
     bandwidth = copy_bytes / copy
@@ -157,8 +166,9 @@ def main() -> None:
     print(
         f"{torch.backends.cpu.get_cpu_capability()}, {args.dtype}, {args.threads} threads, ", end=""
     )
-    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, window {window}")
-    print(f"decode {args.batch} x {args.ctx}: bound {1e3 * bound:.2f} ms, ", end="")
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, window {window}, q x {args.q_scale:g}")
+    print(f"decode {args.batch} x {args.ctx}, {args.queries} new each: ", end="")
+    print(f"bound {1e3 * bound:.2f} ms, ", end="")
     print(f"reference {1e3 * ref:.2f} ms, cpu {1e3 * fast:.2f} ms")
     print(f"  cpu / bound {fast / bound:.2f}, reference / cpu {ref / fast:.1f}")
 

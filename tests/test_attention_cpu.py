@@ -224,6 +224,20 @@ def test_a_tokens_bits_do_not_depend_on_what_shares_its_step(backend, dtype, D, 
         assert torch.equal(attend_span(backend, args, L - n, L, D**-0.5, L), whole)
 
 
+def test_denormals_read_as_zero_in_the_kernel_and_only_there(backend):
+    """The kernel runs with denormals flushed to zero (the CPU's FTZ and DAZ modes): a key far
+    below its row's maximum gets a weight near 1e-38, and that weight times its V row is a
+    denormal, a microcode assist each (heads whose scores spread past ~80 ran 3 to 10x slower).
+    So V rows of denormals attend to exactly zero, where they would give ~1e-39; and the
+    caller's own mode is back after the call: a denormal is still one outside the kernel."""
+    args, _ = build([(40, 1), (37, 5)], bs=16, Hq=4, Hkv=2, D=64, seed=0)
+    q, _, _, k_cache, v_cache, meta = args
+    v_cache.fill_(1e-39)
+    out = backend.attend(q, None, None, k_cache, v_cache, meta, 64**-0.5)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert (torch.tensor([1e-37]) / 100).item() > 0
+
+
 def write_and_attend(backend, q, k, v, k_cache, v_cache, meta, scale, window=None):
     """The kernel as model/decoder_layer.cpp calls it: it writes the new K/V itself."""
     out = q.new_empty(q.shape)

@@ -48,6 +48,10 @@
 #include <utility>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <xmmintrin.h>
+#endif
+
 namespace {
 
 using tinyllm::check_array;
@@ -327,6 +331,25 @@ void attend_queries(const Step<kD, T>& c, int64_t row, int64_t tok, int64_t nq, 
   }
 }
 
+// While a thread attends, denormal results are flushed to zero and denormal inputs read as zero
+// (the SSE control register's FTZ and DAZ bits; the thread's own mode is restored after). A key
+// scoring far below the row's maximum gets a weight near fast_exp's floor, e^-87 ~ 1.6e-38, and
+// its V row times that is a denormal: each one a microcode assist, hundreds of cycles. A head
+// whose scores spread by more than ~80 then ran 3 to 10 times slower; the products flushed are
+// far below what any output can resolve. Every query runs under the same mode, so a token's
+// bits still depend on nothing but its own position and keys.
+class FlushDenormals {
+ public:
+#if defined(__SSE2__)
+  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | kFlush); }
+  ~FlushDenormals() { _mm_setcsr(saved_); }
+
+ private:
+  static constexpr unsigned kFlush = 0x8040;  // FTZ (bit 15) and DAZ (bit 6)
+  unsigned saved_;
+#endif
+};
+
 struct Item {
   int64_t row, tok, count, g;
 };
@@ -353,6 +376,7 @@ void attend_impl(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   std::atomic<size_t> next{0};
   const int64_t P = c.padded(), heads = kQueries * G;
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    const FlushDenormals flush;
     Scratch w{std::vector<float>(heads * P), std::vector<float>(heads * P),
               std::vector<float>(heads), std::vector<float>(heads),
               std::vector<float>(kTile * P), std::vector<float>(kTile * P)};
