@@ -200,23 +200,27 @@ def attend_span(backend, args, first: int, end: int, scale: float, window=None) 
 @pytest.mark.parametrize("D", [8, 64, 128])
 def test_a_tokens_bits_do_not_depend_on_what_shares_its_step(backend, dtype, D, window):
     """A token's output is the same bits as a decode (alone), in a chunk of 3, 11, 16, 17 or 37
-    new tokens wherever the chunk starts, and at another thread count. The kernel gives up to
-    16 of a row's tokens one work item, sharing each tile of keys; a query's arithmetic must
-    still depend only on its position and keys. 101 tokens: tiles of 32 and blocks of 16 end
-    mid-chunk. Under a sliding window each query starts at its own first key: a window of 5
-    starts inside a tile, one of 40 spans two, and the item's queries start in different tiles."""
+    new tokens wherever the chunk starts, at one thread and at two. The kernel gives up to 16
+    of a row's tokens one work item, sharing each tile of keys, and fewer when a step has too
+    few items for its threads (at two threads a row of 3 KV heads splits its tokens in two); a
+    query's arithmetic must still depend only on its position and keys. 101 tokens: tiles of 32
+    and blocks of 16 end mid-chunk. Under a sliding window each query starts at its own first
+    key: a window of 5 starts inside a tile, one of 40 spans two, and the item's queries start
+    in different tiles."""
     L, n = 101, 37
     args, _ = build([(L, n)], bs=16, Hq=9, Hkv=3, D=D, seed=D, dtype=dtype)
     whole = attend_span(backend, args, L - n, L, D**-0.5, window)
-    for size in (1, 3, 11, 16, 17):
-        for first in range(L - n, L, size):
-            end = min(first + size, L)
-            part = attend_span(backend, args, first, end, D**-0.5, window)
-            assert torch.equal(part, whole[first - (L - n) : end - (L - n)]), (size, first)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1 if threads > 1 else 2)
     try:
-        assert torch.equal(attend_span(backend, args, L - n, L, D**-0.5, window), whole)
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            assert torch.equal(attend_span(backend, args, L - n, L, D**-0.5, window), whole)
+            for size in (1, 3, 11, 16, 17):
+                for first in range(L - n, L, size):
+                    end = min(first + size, L)
+                    part = attend_span(backend, args, first, end, D**-0.5, window)
+                    expected = whole[first - (L - n) : end - (L - n)]
+                    assert torch.equal(part, expected), (count, size, first)
     finally:
         torch.set_num_threads(threads)
     # A window that covers the whole context is full attention, bit for bit.
