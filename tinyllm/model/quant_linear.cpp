@@ -34,7 +34,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -133,24 +132,6 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, int64_t blocks, int8_t* 
       }
     }
   });
-}
-
-// A tile's 16 sums into the first `width` of out, rounded to T as static_cast rounds (bf16: to
-// nearest even, NaN as 0x7FC0), in loops that vectorize: c10's bf16 rounding branches on NaN.
-template <typename T>
-inline void store_lanes(const float* acc, T* out, int64_t width) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    uint16_t bits[kRows];
-    for (int64_t lane = 0; lane < kRows; ++lane) {
-      uint32_t u;
-      std::memcpy(&u, acc + lane, sizeof u);
-      const auto rounded = static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-      bits[lane] = acc[lane] != acc[lane] ? uint16_t{0x7FC0} : rounded;
-    }
-    std::memcpy(out, bits, width * sizeof(uint16_t));
-  } else {
-    for (int64_t lane = 0; lane < width; ++lane) out[lane] = static_cast<T>(acc[lane]);
-  }
 }
 
 #if defined(__AVX2__)
@@ -390,7 +371,7 @@ void run_tiles_amx(const uint8_t* packed, const Quantized& x, T* y, int64_t rows
         }
         for (int64_t r = 0; r < count; ++r) {
           T* out = y + (r0 + r) * n + t * kRows;
-          store_lanes(acc[r], out, width);
+          for (int64_t lane = 0; lane < width; ++lane) out[lane] = static_cast<T>(acc[r][lane]);
         }
       }
     }
@@ -531,7 +512,7 @@ void run_tiles(const uint8_t* packed, const Quantized& x, T* y, int64_t rows, in
         }
         for (int64_t r = 0; r < std::min<int64_t>(kMaxRows, rows - r0); ++r) {
           T* out = y + (r0 + r) * n + t * kRows;
-          store_lanes(acc[r], out, width);
+          for (int64_t lane = 0; lane < width; ++lane) out[lane] = static_cast<T>(acc[r][lane]);
         }
       }
     }
