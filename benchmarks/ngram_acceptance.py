@@ -10,7 +10,11 @@ the requests that ended at EOS only: the default model often falls into a loop u
 max_tokens, which n-gram lookup predicts perfectly, so the all-requests figure flatters what a
 model that answers well would get. A second table gives, at every output position, how often the
 first draft is the next token by the length of the longest match it comes from (when sampling,
-how often speculative sampling would accept it): a draft pays when that beats its cost.
+how often speculative sampling would accept it): a draft pays when that beats its cost. The
+third replays the outputs through the engine's own drafting policy (engine/speculative.py's
+Speculator: which requests draft and how many, for each num_speculative_tokens) and models the
+speedup over plain decoding with a step of k drafts costing 1 + a x k plain steps (`--draft-cost`
+a, what benchmarks/spec_verify_cost.py measures; prefill not counted).
 
     PYTHONPATH=. python benchmarks/ngram_acceptance.py --workload grounded --num-requests 16
     PYTHONPATH=. python benchmarks/ngram_acceptance.py --workload single
@@ -23,10 +27,14 @@ import time
 from dataclasses import dataclass
 
 from tinyllm import LLM, SamplingParams
+from tinyllm.engine.config import SpeculativeConfig
 from tinyllm.engine.ngram_proposer import NgramProposer
+from tinyllm.engine.request import Request
+from tinyllm.engine.speculative import Speculator
 from tinyllm.entrypoints.workloads import make_requests
 
 KS = (2, 4, 6, 8)
+POLICY_KS = (4, 6, 8, 10, 12)
 LOOKUPS = ((1, 3), (2, 4), (3, 5))
 
 
@@ -69,6 +77,68 @@ def replay(proposer: NgramProposer, prompt: list[int], output: list[int]) -> Rep
     return r
 
 
+def replay_policy(
+    config: SpeculativeConfig, temperature: float, prompt: list[int], output: list[int]
+) -> Replay:
+    """One output as the engine's Speculator drafts for it, the request decoding alone: each step
+    it drafts from the tokens so far, the drafts equal to the next tokens are accepted and the
+    model's own token follows (when sampling: each draft with the chance speculative sampling
+    accepts it, as `replay`)."""
+    params = SamplingParams(temperature=temperature)
+    request = Request("replay", prompt, params, len(output), eos_token_ids=[], seed=0)
+    speculator = Speculator(config, max_model_len=len(prompt) + len(output))
+    r = Replay(tokens=len(output))
+    while request.num_output_tokens < len(output):
+        i = request.num_output_tokens
+        request.num_computed_tokens = request.num_tokens - 1  # decoding its next token
+        t = time.perf_counter()
+        speculator.propose([request])
+        r.seconds += time.perf_counter() - t
+        draft, request.spec_token_ids = request.spec_token_ids, []
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == output[i + accepted]:
+            accepted += 1
+        if draft:
+            speculator.record(len(draft), accepted)
+        r.steps += 1
+        r.proposed += bool(draft)
+        r.drafted += len(draft)
+        r.accepted += accepted
+        request.all_token_ids += output[i : i + accepted + 1]
+    return r
+
+
+def print_policy(
+    pairs: list[tuple[list[int], list[int], bool]], temperature: float, draft_cost: float
+) -> None:
+    """The third table: the engine's policy at each num_speculative_tokens, all requests and
+    those that ended at EOS."""
+    print(
+        f"the engine's drafting policy, a step of k drafts costing 1 + {draft_cost} x k steps:\n"
+        f"{'num_spec':>9} {'proposed':>9} {'drafts':>7} {'acc/draft':>9} {'tok/step':>9} "
+        f"{'speedup':>8} {'EOS-only':>9} {'speedup':>8}"
+    )
+    for k in POLICY_KS:
+        total, at_eos = Replay(), Replay()
+        config = SpeculativeConfig(num_speculative_tokens=k)
+        for prompt, output, stopped in pairs:
+            one = replay_policy(config, temperature, prompt, output)
+            total.add(one)
+            if stopped:
+                at_eos.add(one)
+
+        def gains(r: Replay) -> str:
+            if not r.steps:
+                return f"{'-':>9} {'-':>8}"
+            speedup = r.tokens / (r.steps + draft_cost * r.drafted)
+            return f"{r.tokens / r.steps:9.2f} {speedup:7.3f}x"
+
+        print(
+            f"{k:9d} {total.proposed / total.steps:9.1%} {total.drafted / total.steps:7.2f} "
+            f"{total.accepted / max(total.drafted, 1):9.1%} {gains(total)} {gains(at_eos)}"
+        )
+
+
 def by_match_length(outputs: list[tuple[list[int], list[int]]], longest: int) -> None:
     """At every output position, the longest suffix match (1..longest) and whether the first
     token it drafts is the next one."""
@@ -104,6 +174,13 @@ def main() -> None:
         default=0.0,
         help="sample instead (seeded): a draft then matches the sampled token with probability "
         "p(draft), as speculative sampling accepts it (default: 0, greedy)",
+    )
+    parser.add_argument(
+        "--draft-cost",
+        type=float,
+        default=0.15,
+        help="a step of k drafts costs 1 + a x k plain steps, for the modelled speedup (default: "
+        "0.15, benchmarks/spec_verify_cost.py at one row, 2026-12-02)",
     )
     args = parser.parse_args()
     llm = LLM(threads=args.threads)
@@ -163,6 +240,12 @@ def main() -> None:
         for r, o in zip(requests, outs, strict=True)
     ]
     by_match_length(pairs, max(hi for _, hi in LOOKUPS))
+    at_eos = [o.outputs[0].finish_reason == "stop" for o in outs]
+    print_policy(
+        [(p, o, s) for (p, o), s in zip(pairs, at_eos, strict=True)],
+        args.temperature,
+        args.draft_cost,
+    )
 
 
 if __name__ == "__main__":

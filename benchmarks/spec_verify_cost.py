@@ -22,18 +22,15 @@ from tinyllm.engine.engine import LLMEngine
 
 
 class RandomDrafts:
-    """k random tokens per request: rejected (nearly always), so every step verifies k + 1
-    tokens a row and then rolls k back; the context grows by one token a step, as decoding."""
+    """k random tokens per request, in place of the speculator's drafts: rejected (nearly
+    always), so every step verifies k + 1 tokens a row and then rolls k back; the context grows
+    by one token a step, as decoding."""
 
     def __init__(self, vocab: int):
         self.k, self.vocab, self.rng = 0, vocab, random.Random(0)
 
-    def new_index(self) -> None:
-        return None  # the engine keeps a proposer's index per request; random drafts need none
-
-    def propose(self, token_ids, max_tokens=None, index=None) -> list[int]:
-        k = self.k if max_tokens is None else min(self.k, max_tokens)
-        return [self.rng.randrange(100, self.vocab - 100) for _ in range(k)]
+    def __call__(self, request) -> list[int]:
+        return [self.rng.randrange(100, self.vocab - 100) for _ in range(self.k)]
 
 
 def main() -> None:
@@ -60,8 +57,7 @@ def main() -> None:
         )
         engine = LLMEngine(llm.engine.model, llm.tokenizer, config)
         drafts = RandomDrafts(vocab)
-        engine.speculator.proposer = drafts
-        engine.speculator.record = lambda request, drafted, accepted: None  # never back off
+        engine.speculator._drafts = drafts
         params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
         for _ in range(batch):
             prompt = [rng.randrange(100, vocab - 100) for _ in range(args.context)]

@@ -8,17 +8,25 @@ from hypothesis import strategies as st
 from tinyllm.engine.ngram_proposer import NgramProposer
 
 
-def reference(tokens: list[int], k: int, lo: int, hi: int, occurrence: int = -1) -> list[int]:
+def reference_match(
+    tokens: list[int], lo: int, hi: int, occurrence: int = -1
+) -> tuple[int, int] | None:
     """The definition, spelled out: for n from hi down to lo, the latest (occurrence -1) or
-    earliest (0) start s < len - n with tokens[s:s+n] equal to the last n tokens; what follows
-    it, at most k tokens."""
+    earliest (0) start s < len - n with tokens[s:s+n] equal to the last n tokens; the position
+    of its last token, and n."""
     size = len(tokens)
     for n in range(min(hi, size - 1), lo - 1, -1):
         suffix = tokens[size - n :]
         starts = [s for s in range(size - n) if tokens[s : s + n] == suffix]
         if starts:
-            return tokens[starts[occurrence] + n : starts[occurrence] + n + k]
-    return []
+            return starts[occurrence] + n - 1, n
+    return None
+
+
+def reference(tokens: list[int], k: int, lo: int, hi: int, occurrence: int = -1) -> list[int]:
+    """What follows the reference match, at most k tokens."""
+    found = reference_match(tokens, lo, hi, occurrence)
+    return [] if found is None else tokens[found[0] + 1 : found[0] + 1 + k]
 
 
 class EarliestNgramProposer(NgramProposer):
@@ -39,6 +47,7 @@ def test_proposals_match_the_brute_force_reference(tokens, k, lo, extra, cap, cl
     proposer = cls(k, lo, hi)
     expected = reference(tokens, k if cap is None else min(k, cap), lo, hi, cls.occurrence)
     assert proposer.propose(tokens, cap) == expected
+    assert proposer.match(tokens) == reference_match(tokens, lo, hi, cls.occurrence)
 
 
 @settings(max_examples=300, deadline=None)
@@ -55,7 +64,7 @@ def test_an_index_kept_between_calls_proposes_what_the_reference_does_at_every_s
     tokens, cuts, caps, k, lo, extra, cls
 ):
     """A request's tokens arrive a few at a time (a prompt, then accepted drafts and sampled
-    tokens); a step may skip the lookup (backoff, a crowded batch) and catch up at the next."""
+    tokens); a step may skip the lookup (a crowded batch, preemption) and catch up at the next."""
     hi = lo + extra
     proposer = cls(k, lo, hi)
     index = proposer.new_index()

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from tests.conftest import TINY_MAX_LEN, TINY_VOCAB
 from tinyllm.engine.config import EngineConfig
 from tinyllm.engine.engine import LLMEngine
+from tinyllm.engine.ngram_proposer import Match
 from tinyllm.engine.sampling_params import SamplingParams
 
 VOCAB, MAX_LEN = TINY_VOCAB, TINY_MAX_LEN
@@ -114,11 +115,14 @@ def test_random_workload_accounts_for_everything(
 
 
 def _random_speculation(engine: LLMEngine, rng: random.Random) -> None:
-    """Drafts of random tokens and lengths (up to what fits), of which the sampler keeps a
-    random number, then adds a random token: every acceptance length the engine must roll back."""
+    """Drafts from random places in the context and of random lengths (up to what fits), of
+    which the sampler keeps a random number, then adds a random token: every acceptance length
+    the engine must roll back."""
 
-    def propose(token_ids, max_tokens=None, index=None):
-        return [rng.randrange(VOCAB) for _ in range(rng.randint(0, min(5, max_tokens)))]
+    def match(token_ids, index=None):
+        if len(token_ids) < 2 or rng.random() < 0.2:
+            return None
+        return Match(rng.randrange(len(token_ids) - 1), rng.randint(1, 3))
 
     sampler = engine.runner.sampler
     verify = sampler.verify
@@ -131,7 +135,7 @@ def _random_speculation(engine: LLMEngine, rng: random.Random) -> None:
                 logprobs[r] = [None] * len(tokens[r])
         return tokens, logprobs
 
-    engine.speculator.proposer.propose = propose
+    engine.speculator.proposer.match = match
     sampler.verify = accept_some
 
 

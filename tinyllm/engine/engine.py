@@ -403,7 +403,7 @@ class LLMEngine:
         updates, done = [], []
         for request, tokens, logprobs in sampled:
             if request.spec_token_ids:  # only the speculator sets them
-                self.speculator.record(request, len(request.spec_token_ids), len(tokens) - 1)
+                self.speculator.record(len(request.spec_token_ids), len(tokens) - 1)
                 request.spec_token_ids = []
             # A stop token or the length limit inside an accepted run ends it there.
             kept = 0

@@ -12,6 +12,18 @@ context's length, instead of a search through all of it (benchmarks/ngram_propos
 """
 
 from collections.abc import Sequence
+from typing import NamedTuple
+
+
+class Match(NamedTuple):
+    """An earlier occurrence of a sequence's last `length` tokens, ending at position `end`."""
+
+    end: int
+    length: int
+
+    def drafts(self, token_ids: Sequence[int], k: int) -> list[int]:
+        """The (at most k) tokens that followed the occurrence."""
+        return list(token_ids[self.end + 1 : self.end + 1 + max(k, 0)])
 
 
 class NgramIndex:
@@ -41,9 +53,10 @@ class NgramIndex:
                     ends[gram] = end
         self.num_indexed = max(self.num_indexed, stop)
 
-    def longest_match(self, tokens: Sequence[int]) -> int | None:
-        """The end position of an earlier occurrence of the longest suffix n-gram of tokens
-        (the sequence indexed so far), or None when not even min_n tokens occurred earlier."""
+    def longest_match(self, tokens: Sequence[int]) -> tuple[int, int] | None:
+        """The longest suffix n-gram of tokens (the sequence indexed so far) that occurred
+        earlier: the end position of that occurrence and n; None when not even min_n tokens
+        occurred earlier."""
         found = None
         # Shortest first: a suffix that never occurred has no longer one that did, so text with
         # nothing to find costs one lookup.
@@ -51,7 +64,7 @@ class NgramIndex:
             end = self.ends.get(tuple(tokens[-n:]))
             if end is None:
                 break
-            found = end
+            found = end, n
         return found
 
 
@@ -83,23 +96,27 @@ class NgramProposer:
         """An empty index of one sequence, for `propose` of this proposer."""
         return NgramIndex(self.min_n, self.max_n, earliest=self.occurrence == 0)
 
+    def match(self, token_ids: Sequence[int], index: NgramIndex | None = None) -> Match | None:
+        """The longest suffix n-gram of token_ids (prompt_lookup_min <= n <= prompt_lookup_max)
+        that occurred earlier in token_ids: where that occurrence ends and n; None when there
+        is none. `index` (from `new_index`) is token_ids' index so far, kept between calls while
+        token_ids grows, so that a call indexes only the new tokens; without it every call
+        indexes the whole sequence."""
+        if index is None:
+            index = self.new_index()
+        index.extend(token_ids)
+        found = index.longest_match(token_ids)
+        return None if found is None else Match(*found)
+
     def propose(
         self,
         token_ids: Sequence[int],
         max_tokens: int | None = None,
         index: NgramIndex | None = None,
     ) -> list[int]:
-        """Up to k (= min(num_speculative_tokens, max_tokens)) draft tokens: the longest suffix
-        n-gram of token_ids (prompt_lookup_min <= n <= prompt_lookup_max) that occurred earlier
-        in token_ids; the tokens that followed that earlier occurrence. [] when there is no
-        match. `index` (from `new_index`) is token_ids' index so far, kept between calls while
-        token_ids grows, so that a call indexes only the new tokens; without it every call
-        indexes the whole sequence."""
-        if index is None:
-            index = self.new_index()
-        index.extend(token_ids)
+        """Up to k (= min(num_speculative_tokens, max_tokens)) draft tokens: the tokens that
+        followed the earlier occurrence of token_ids' longest suffix n-gram (`match`); [] when
+        there is none."""
         k = self.k if max_tokens is None else min(self.k, max_tokens)
-        end = index.longest_match(token_ids) if k > 0 else None
-        if end is None:
-            return []
-        return list(token_ids[end + 1 : end + 1 + k])
+        found = self.match(token_ids, index)
+        return [] if found is None else found.drafts(token_ids, k)

@@ -54,12 +54,10 @@ class Request:
             None if params.prompt_logprobs is None else [None]
         )
         # Speculative decoding (engine/speculative.py): the draft tokens to verify in the next
-        # step after the last sampled token, at most how many to draft next (0: the configured
-        # number), how long to wait after drafts that failed, and the n-grams of its tokens
-        # that drafts are looked up in (made at its first lookup, grown with its tokens: a
+        # step after the last sampled token, and the n-grams of its tokens that drafts are
+        # looked up in (made at its first lookup, grown with its tokens: a
         # preempted request keeps its tokens, so it keeps them too).
         self.spec_token_ids: list[int] = []
-        self.spec_limit = self.spec_backoff = self.spec_wait = 0
         self.spec_ngrams: NgramIndex | None = None
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
