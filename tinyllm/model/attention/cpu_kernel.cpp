@@ -367,9 +367,11 @@ void attend_impl(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k
                       static_cast<float>(scale), window};
   // Tokens per item: kQueries, or fewer where the step's rows would give its threads too few
   // items to share evenly. A verified row of 7 tokens is one item per KV head, 3 for the
-  // default model: at two threads one thread did 2 and the other 1; in chunks of 4 it is 6.
-  // Each item converts its tiles of keys again, so only then; a token's bits do not depend on
-  // its item (above).
+  // default model: at two threads one thread did 2 and the other 1; in chunks of 4 it is 6
+  // (98 -> 84 us a layer after 400 keys). Each item converts its tiles of keys again, which
+  // chunks of 1 or 2 tokens do not repay (rows of 2 and 3 tokens split: 42 -> 49 and 56 -> 62
+  // us), so only into chunks of at least kMinSplit. A token's bits do not depend on its item.
+  constexpr int64_t kMinSplit = 3;
   const int64_t threads = at::get_num_threads(), wanted = 2 * threads, base = num_rows * Hkv;
   int64_t chunk = kQueries;
   if (threads > 1 && base > 0 && base < wanted) {
@@ -377,8 +379,8 @@ void attend_impl(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k
     for (int64_t r = 0; r < num_rows; ++r) {
       longest = std::max(longest, c.starts[r + 1] - c.starts[r]);
     }
-    const int64_t splits = (wanted + base - 1) / base;
-    chunk = std::clamp<int64_t>((longest + splits - 1) / splits, 1, kQueries);
+    const int64_t splits = (wanted + base - 1) / base, split = (longest + splits - 1) / splits;
+    if (split >= kMinSplit) chunk = std::min(split, kQueries);
   }
   std::vector<Item> items;
   for (int64_t r = 0; r < num_rows; ++r) {
