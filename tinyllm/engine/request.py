@@ -55,8 +55,8 @@ class Request:
         )
         # Speculative decoding (engine/speculative.py): the draft tokens to verify in the next
         # step after the last sampled token, and the n-grams of its tokens that drafts are
-        # looked up in (made at its first lookup, grown with its tokens: a
-        # preempted request keeps its tokens, so it keeps them too).
+        # looked up in (made at its first lookup, grown with its tokens: a preempted request
+        # keeps its tokens, so it keeps them too).
         self.spec_token_ids: list[int] = []
         self.spec_ngrams: NgramIndex | None = None
         self.status = RequestStatus.WAITING

@@ -368,7 +368,7 @@ void attend_impl(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   // Tokens per item: kQueries, or fewer where the step's rows would give its threads too few
   // items to share evenly. A verified row of 7 tokens is one item per KV head, 3 for the
   // default model: at two threads one thread did 2 and the other 1; in chunks of 4 it is 6
-  // (98 -> 84 us a layer after 400 keys). Each item converts its tiles of keys again, which
+  // (93 -> 81 us a layer after 400 keys). Each item converts its tiles of keys again, which
   // chunks of 1 or 2 tokens do not repay (rows of 2 and 3 tokens split: 42 -> 49 and 56 -> 62
   // us), so only into chunks of at least kMinSplit. A token's bits do not depend on its item.
   constexpr int64_t kMinSplit = 3;
