@@ -53,10 +53,10 @@ class NgramIndex:
                     ends[gram] = end
         self.num_indexed = max(self.num_indexed, stop)
 
-    def longest_match(self, tokens: Sequence[int]) -> tuple[int, int] | None:
+    def longest_match(self, tokens: Sequence[int]) -> Match | None:
         """The longest suffix n-gram of tokens (the sequence indexed so far) that occurred
-        earlier: the end position of that occurrence and n; None when not even min_n tokens
-        occurred earlier."""
+        earlier: where that occurrence ends and n; None when not even min_n tokens occurred
+        earlier."""
         found = None
         # Shortest first: a suffix that never occurred has no longer one that did, so text with
         # nothing to find costs one lookup.
@@ -64,7 +64,7 @@ class NgramIndex:
             end = self.ends.get(tuple(tokens[-n:]))
             if end is None:
                 break
-            found = end, n
+            found = Match(end, n)
         return found
 
 
@@ -105,8 +105,7 @@ class NgramProposer:
         if index is None:
             index = self.new_index()
         index.extend(token_ids)
-        found = index.longest_match(token_ids)
-        return None if found is None else Match(*found)
+        return index.longest_match(token_ids)
 
     def propose(
         self,
