@@ -22,7 +22,7 @@ import time
 import torch
 
 from tinyllm import LLM, SamplingParams
-from tinyllm.engine.scheduler import step_message
+from tinyllm.engine.sched.scheduler import step_message
 from tinyllm.entrypoints.bench.offline import weight_bytes_per_token
 from tinyllm.model.attention import AttentionMetadata
 

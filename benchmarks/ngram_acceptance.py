@@ -11,7 +11,7 @@ max_tokens, which n-gram lookup predicts perfectly, so the all-requests figure f
 model that answers well would get. A second table gives, at every output position, how often the
 first draft is the next token by the length of the longest match it comes from (when sampling,
 how often speculative sampling would accept it): a draft pays when that beats its cost. The
-third replays the outputs through the engine's own drafting policy (engine/speculative.py's
+third replays the outputs through the engine's own drafting policy (spec_decode/speculator.py's
 Speculator: which requests draft and how many, for each num_speculative_tokens) and models the
 speedup over plain decoding with a step of k drafts costing 1 + a x k plain steps (`--draft-cost`
 a, what benchmarks/spec_verify_cost.py measures; prefill not counted).
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 from tinyllm import LLM, SamplingParams
 from tinyllm.engine.config import SpeculativeConfig
-from tinyllm.engine.ngram_proposer import NgramProposer
-from tinyllm.engine.request import Request
-from tinyllm.engine.speculative import Speculator
+from tinyllm.engine.sched.request import Request
+from tinyllm.engine.spec_decode.ngram_proposer import NgramProposer
+from tinyllm.engine.spec_decode.speculator import Speculator
 from tinyllm.entrypoints.workloads import make_requests
 
 KS = (2, 4, 6, 8)

@@ -24,7 +24,7 @@ import time
 import timeit
 
 from tinyllm import LLM, SamplingParams
-from tinyllm.engine.ngram_proposer import NgramProposer
+from tinyllm.engine.spec_decode.ngram_proposer import NgramProposer
 from tinyllm.entrypoints.workloads import make_requests
 
 CASES = {"random": 49152, "text-like": 64, "runs": 2}

@@ -30,7 +30,7 @@ import time
 
 from tinyllm import LLM, SamplingParams
 from tinyllm.engine.engine import LLMEngine
-from tinyllm.engine.speculative import SpecStats
+from tinyllm.engine.spec_decode.speculator import SpecStats
 from tinyllm.entrypoints.bench.offline import run_tinyllm
 from tinyllm.entrypoints.workloads import WORKLOADS, Request, make_requests
 

@@ -7,7 +7,7 @@ import tokenizers
 import torch
 from llguidance import LLMatcher
 
-from tinyllm.engine import grammar
+from tinyllm.engine.structured_output import grammar
 from tinyllm.loaders.source import default_model_path
 from tinyllm.model.config import ModelConfig
 from tinyllm.model.llama import Transformer
@@ -85,7 +85,7 @@ def tiny():
 
 
 class CountingCompiles:
-    """engine/grammar.py's LLMatcher, counting the grammars compiled (its static methods, which
+    """The grammar module's LLMatcher, counting the grammars compiled (its static methods, which
     make grammar text, are llguidance's own)."""
 
     def __init__(self) -> None:

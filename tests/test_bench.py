@@ -297,7 +297,7 @@ def test_a_speculative_run_is_measured_against_itself_without_speculation():
 
 
 def test_summary_and_json_show_the_drafts():
-    from tinyllm.engine.speculative import SpecStats
+    from tinyllm.engine.spec_decode.speculator import SpecStats
 
     res = _result()
     spec = SpecStats(num_drafts=50, num_draft_tokens=200, num_accepted_tokens=120)
@@ -325,7 +325,7 @@ def test_a_sampled_run_says_its_temperature():
 
 
 def test_summary_and_json_show_what_the_token_masks_cost():
-    from tinyllm.engine.grammar import GrammarStats
+    from tinyllm.engine.structured_output.grammar import GrammarStats
 
     res = _result()
     cost = GrammarStats(steps=100, rows=1600, forced=400, seconds=0.5)
@@ -351,7 +351,7 @@ def test_a_constrained_run_and_its_baseline_make_the_same_tokens(default_config_
     """`--structured json`: each request ends where its JSON does (at most at its length); the
     baseline then makes as many tokens per request, unconstrained; the masks' cost counts each
     constrained token once, the warm-up's not."""
-    from tinyllm.engine.structured_output import StructuredOutputsParams
+    from tinyllm.engine.structured_output.params import StructuredOutputsParams
     from tinyllm.entrypoints.bench.offline import run_tinyllm
     from tinyllm.entrypoints.workloads import STRUCTURED_SCHEMAS, Request
 

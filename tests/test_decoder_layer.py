@@ -8,11 +8,11 @@ prompts; test_layer_executor tests the choice between them."""
 import pytest
 import torch
 
-from tinyllm.engine.kv_cache_manager import KVCacheManager
-from tinyllm.engine.model_runner import ModelRunner
-from tinyllm.engine.request import Request
 from tinyllm.engine.sampling_params import SamplingParams
-from tinyllm.engine.scheduler import step_message
+from tinyllm.engine.sched.kv_cache_manager import KVCacheManager
+from tinyllm.engine.sched.request import Request
+from tinyllm.engine.sched.scheduler import step_message
+from tinyllm.engine.worker.model_runner import ModelRunner
 from tinyllm.model import llama
 from tinyllm.model.attention import get_backend
 from tinyllm.model.config import ModelConfig

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinyllm.engine.block_pool import BlockPool
-from tinyllm.engine.kv_cache_manager import KVCacheManager
-from tinyllm.engine.request import Request
 from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.engine.sched.block_pool import BlockPool
+from tinyllm.engine.sched.kv_cache_manager import KVCacheManager
+from tinyllm.engine.sched.request import Request
 
 
 def make_request(request_id: str = "r", prompt_len: int = 1) -> Request:

@@ -15,9 +15,9 @@ from tests.http_server import serving
 from tinyllm.engine import engine as engine_module
 from tinyllm.engine.config import EngineConfig
 from tinyllm.engine.engine import LLMEngine, build_kv_cache_manager
-from tinyllm.engine.memory import resident_bytes
 from tinyllm.engine.sampling_params import SamplingParams
 from tinyllm.entrypoints.server.app import create_app
+from tinyllm.host.memory import resident_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1e6
@@ -76,8 +76,8 @@ def test_available_memory_is_read_from_the_machine(tiny):
 _MEASURE = """
 import json
 from tinyllm import LLM, SamplingParams
-from tinyllm.engine.memory import resident_bytes
-from tinyllm.engine.model_runner import kv_bytes_per_token
+from tinyllm.host.memory import resident_bytes
+from tinyllm.engine.worker.model_runner import kv_bytes_per_token
 
 llm = LLM()
 engine = llm.engine

@@ -10,11 +10,11 @@ import torch
 from tests.test_decoder_layer import BLOCK, PROMPTS, _model
 from tinyllm.engine.config import EngineConfig
 from tinyllm.engine.engine import LLMEngine
-from tinyllm.engine.kv_cache_manager import KVCacheManager
-from tinyllm.engine.model_runner import ModelRunner
-from tinyllm.engine.request import Request
 from tinyllm.engine.sampling_params import SamplingParams
-from tinyllm.engine.scheduler import step_message
+from tinyllm.engine.sched.kv_cache_manager import KVCacheManager
+from tinyllm.engine.sched.request import Request
+from tinyllm.engine.sched.scheduler import step_message
+from tinyllm.engine.worker.model_runner import ModelRunner
 from tinyllm.entrypoints import cli
 from tinyllm.model import llama
 from tinyllm.model.attention import get_backend

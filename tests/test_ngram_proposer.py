@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinyllm.engine.ngram_proposer import NgramProposer
+from tinyllm.engine.spec_decode.ngram_proposer import NgramProposer
 
 
 def reference_match(

@@ -6,8 +6,8 @@ import tokenizers
 
 from tinyllm.engine.output_processor import OutputProcessor, TokenUpdate
 from tinyllm.engine.outputs import TokenLogprob
-from tinyllm.engine.request import Request
 from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
+from tinyllm.engine.sched.request import Request
 from tinyllm.text.tokenizer import Tokenizer
 
 LETTERS = ["<eos>", "a", "b", "S", "T", "O", "P", "x", "bS"]  # "bS": one token, two letters

@@ -9,11 +9,11 @@ import dataclasses
 
 import pytest
 
-from tinyllm.engine.block_pool import BlockPool, block_key
 from tinyllm.engine.engine import LLMEngine
-from tinyllm.engine.kv_cache_manager import KVCacheManager
-from tinyllm.engine.request import Request
 from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.engine.sched.block_pool import BlockPool, block_key
+from tinyllm.engine.sched.kv_cache_manager import KVCacheManager
+from tinyllm.engine.sched.request import Request
 
 
 def make_request(tokens: list[int], request_id: str = "r") -> Request:

@@ -15,14 +15,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import TINY_MAX_LEN, TINY_VOCAB
-from tinyllm.engine.block_pool import block_key
 from tinyllm.engine.config import EngineConfig
 from tinyllm.engine.engine import LLMEngine
-from tinyllm.engine.kv_cache_manager import KVCacheManager
-from tinyllm.engine.model_runner import ModelRunner
-from tinyllm.engine.request import Request
 from tinyllm.engine.sampling_params import SamplingParams
-from tinyllm.engine.scheduler import step_message
+from tinyllm.engine.sched.block_pool import block_key
+from tinyllm.engine.sched.kv_cache_manager import KVCacheManager
+from tinyllm.engine.sched.request import Request
+from tinyllm.engine.sched.scheduler import step_message
+from tinyllm.engine.worker.model_runner import ModelRunner
 from tinyllm.model.attention import get_backend
 from tinyllm.model.config import ModelConfig
 from tinyllm.model.llama import Transformer

@@ -8,7 +8,6 @@ import pickle
 import pytest
 
 from tests.engine_runs import engine_on, run_all
-from tinyllm.engine.model_runner import ModelRunner
 from tinyllm.engine.sampling_params import SamplingParams
 from tinyllm.engine.step_message import (
     CachedRequestData,
@@ -16,6 +15,7 @@ from tinyllm.engine.step_message import (
     NewRequestData,
     SchedulerOutput,
 )
+from tinyllm.engine.worker.model_runner import ModelRunner
 from tinyllm.model.attention import get_backend
 
 BLOCK = 16

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tinyllm.engine.sampler import Sampler, apply_penalties
 from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.engine.worker.sampler import Sampler, apply_penalties
 
 sample = Sampler()
 

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tinyllm.engine.kv_cache_manager import KVCacheManager
-from tinyllm.engine.request import Request, RequestStatus
 from tinyllm.engine.sampling_params import SamplingParams
-from tinyllm.engine.scheduler import Scheduler
+from tinyllm.engine.sched.kv_cache_manager import KVCacheManager
+from tinyllm.engine.sched.request import Request, RequestStatus
+from tinyllm.engine.sched.scheduler import Scheduler
 from tinyllm.engine.step_message import SchedulerOutput
 
 MAX_MODEL_LEN = 256

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from tests.conftest import TINY_MAX_LEN, TINY_VOCAB
 from tinyllm.engine.config import EngineConfig
 from tinyllm.engine.engine import LLMEngine
-from tinyllm.engine.ngram_proposer import Match
 from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.engine.spec_decode.ngram_proposer import Match
 
 VOCAB, MAX_LEN = TINY_VOCAB, TINY_MAX_LEN
 

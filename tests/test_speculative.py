@@ -18,7 +18,7 @@ from tests.http_server import openai_client
 from tests.test_server import metrics
 from tinyllm.engine.outputs import RequestOutput
 from tinyllm.engine.sampling_params import SamplingParams
-from tinyllm.engine.structured_output import StructuredOutputsParams
+from tinyllm.engine.structured_output.params import StructuredOutputsParams
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +113,7 @@ def test_stop_strings_and_max_tokens_inside_an_acceptedrun_all(default_config_ll
 
 
 def test_constrained_and_penalized_requests_run_beside_speculated_ones(default_config_llm):
-    """A JSON-constrained request and a penalized one are not speculated (engine/speculative.py)
+    """A JSON-constrained request and a penalized one are not speculated (spec_decode/speculator.py)
     but share the steps of one that is: all three are what they are without speculation."""
     prompts = _grounded(default_config_llm)[:1] * 3
     params = [

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from tinyllm.engine.config import EngineConfig, SpeculativeConfig
-from tinyllm.engine.model_runner import CachedRequestState
-from tinyllm.engine.ngram_proposer import NgramProposer
-from tinyllm.engine.request import Request
-from tinyllm.engine.sampler import Sampler, _accept_or_resample, _probs
 from tinyllm.engine.sampling_params import SamplingParams
-from tinyllm.engine.speculative import Speculator
+from tinyllm.engine.sched.request import Request
+from tinyllm.engine.spec_decode.ngram_proposer import NgramProposer
+from tinyllm.engine.spec_decode.speculator import Speculator
+from tinyllm.engine.worker.model_runner import CachedRequestState
+from tinyllm.engine.worker.sampler import Sampler, _accept_or_resample, _probs
 
 V = 6
 # The false-alarm rate of each chi-square check below (with fixed seeds the test is

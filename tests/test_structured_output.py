@@ -16,16 +16,16 @@ from hypothesis import strategies as st
 
 from tests.engine_runs import engine_on, run_all
 from tinyllm.engine.engine import LLMEngine
-from tinyllm.engine.grammar import (
+from tinyllm.engine.outputs import RequestOutput
+from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.engine.structured_output.grammar import (
     GrammarMasks,
     StructuredOutputCompiler,
     apply_bitmask,
     forced_rows,
 )
-from tinyllm.engine.outputs import RequestOutput
-from tinyllm.engine.sampler import Sampler
-from tinyllm.engine.sampling_params import SamplingParams
-from tinyllm.engine.structured_output import StructuredOutputsParams
+from tinyllm.engine.structured_output.params import StructuredOutputsParams
+from tinyllm.engine.worker.sampler import Sampler
 
 pytestmark = pytest.mark.slow
 

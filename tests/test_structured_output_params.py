@@ -4,7 +4,7 @@ import pytest
 
 import tinyllm
 from tinyllm.engine.sampling_params import SamplingParams
-from tinyllm.engine.structured_output import StructuredOutputsParams
+from tinyllm.engine.structured_output.params import StructuredOutputsParams
 
 
 @pytest.mark.parametrize(
@@ -58,7 +58,7 @@ def test_objects_are_closed_unless_they_say_otherwise():
     """vLLM's default (xgrammar's strict mode) and OpenAI's strict mode: an object that declares
     its properties takes no others, at any depth, unless the schema opens it; `allOf` parts
     and objects without `properties` stay as they are, as do values (enum, const)."""
-    from tinyllm.engine.structured_output import closed_objects
+    from tinyllm.text.json_schema import closed_objects
 
     city = {"type": "object", "properties": {"name": {"type": "string"}}}
     schema = {

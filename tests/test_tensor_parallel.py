@@ -24,7 +24,7 @@ from tests.test_sharded_loading import SMALL, hf_dir
 from tinyllm import LLM, SamplingParams
 from tinyllm.engine.config import EngineConfig
 from tinyllm.engine.engine import LLMEngine
-from tinyllm.engine.workers import WorkerDiedError
+from tinyllm.engine.worker.transport import WorkerDiedError
 from tinyllm.entrypoints.server.app import create_app
 from tinyllm.model.cpu_library import library_error
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tinyllm.entrypoints import llm as llm_module
-from tinyllm.entrypoints import threads
+from tinyllm.host import threads
 
 
 class _Loaded(Exception):

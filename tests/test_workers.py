@@ -1,4 +1,4 @@
-"""Tensor-parallel worker processes (tinyllm/engine/workers.py) with toy handlers
+"""Tensor-parallel worker processes (tinyllm/engine/worker/transport.py) with toy handlers
 (tests/tp_handlers.py): messages arrive in order and the ranks' all-reduces meet; a worker that
 dies or fails is named within seconds; no process outlives the group, after close, a failed
 start, rank 0's death or Ctrl-C; under torchrun (or the same environment set by hand) too."""
@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from tests.tp_handlers import SumHandler, make_failing_handler, make_sum_handler
-from tinyllm.engine import workers
-from tinyllm.engine.workers import WorkerDiedError, WorkerGroup, rank_threads
+from tinyllm.engine.worker import transport
+from tinyllm.engine.worker.transport import WorkerDiedError, WorkerGroup, rank_threads
 
 CPU = torch.device("cpu")
 # Seconds a dead rank may take to be reported, and a process to be gone.
@@ -171,7 +171,7 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch):
 
 
 def test_each_rank_gets_its_share_of_the_cores(monkeypatch):
-    monkeypatch.setattr(workers, "default_threads", lambda: 8)
+    monkeypatch.setattr(transport, "default_threads", lambda: 8)
     assert [rank_threads(n) for n in (1, 2, 3, 8, 9)] == [8, 4, 2, 1, 1]
     monkeypatch.undo()
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the host's budget, shared

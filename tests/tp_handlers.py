@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from tinyllm.engine.workers import WorkerGroup, run_worker, torchrun_rank
+from tinyllm.engine.worker.transport import WorkerGroup, run_worker, torchrun_rank
 
 
 class SumHandler:

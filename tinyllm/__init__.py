@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 _HOMES = {
     "LLM": "tinyllm.entrypoints.llm",
     "SamplingParams": "tinyllm.engine.sampling_params",
-    "StructuredOutputsParams": "tinyllm.engine.structured_output",
+    "StructuredOutputsParams": "tinyllm.engine.structured_output.params",
     "RequestOutput": "tinyllm.engine.outputs",
     "CompletionOutput": "tinyllm.engine.outputs",
 }

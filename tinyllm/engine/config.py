@@ -7,17 +7,17 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (engine/speculative.py), with vLLM's `speculative_config` names;
+    """Speculative decoding (spec_decode/speculator.py), with vLLM's `speculative_config` names;
     method "ngram" (prompt lookup) is the one there is."""
 
     # The defaults measured best on `tinyllm bench grounded` (docs/INFERENCE.md, "Speculative
     # decoding"): each draft a step verifies costs it 15-20% more on the default model.
     num_speculative_tokens: int = 6
     method: str = "ngram"
-    prompt_lookup_min: int = 1  # a sampled request's is at least 2 (engine/speculative.py)
+    prompt_lookup_min: int = 1  # a sampled request's is at least 2 (spec_decode/speculator.py)
     prompt_lookup_max: int = 5
     # Above this many decoding requests in a step nothing is drafted: the weights are already
-    # shared by enough rows (engine/speculative.py).
+    # shared by enough rows (engine/spec_decode/speculator.py).
     max_batch: int = 4
 
     def __post_init__(self) -> None:
@@ -76,12 +76,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # see tinyllm.model.attention.BACKENDS
     # How the decoder layers run: "fused" (C++ ops, CPU), "modules" or "auto"; see
-    # tinyllm.engine.layer_executor
+    # tinyllm.model.layer_executor
     layer_executor: str = "auto"
-    # Ranks the model is split over (engine/workers.py): this process and N - 1 workers.
+    # Ranks the model is split over (engine/worker/transport.py): this process and N - 1 workers.
     tensor_parallel_size: int = 1
     seed: int = 0
-    # Speculative decoding (engine/speculative.py): vLLM's dict, e.g. {"method": "ngram",
+    # Speculative decoding (engine/spec_decode/speculator.py): vLLM's dict, e.g. {"method": "ngram",
     # "num_speculative_tokens": 5}, its JSON text, or a SpeculativeConfig; None: off.
     speculative_config: SpeculativeConfig | dict | str | None = None
 

@@ -5,7 +5,7 @@ under one token budget, every block allocated and every preemption decided up fr
 so in a message of data (engine/step_message.py); the model runner runs it as one flat batch
 and samples for the requests whose tokens are all computed; the output processor turns the new
 tokens into text and outputs. Under tensor parallelism the same message goes to every rank's
-runner (engine/workers.py, engine/tp_worker.py) and rank 0's samples.
+runner (engine/worker/transport.py, engine/worker/tp_worker.py) and rank 0's samples.
 """
 
 import dataclasses
@@ -18,25 +18,25 @@ from typing import TYPE_CHECKING
 from llguidance import LLMatcher
 
 from tinyllm.engine.config import EngineConfig
-from tinyllm.engine.grammar import GrammarMasks, StructuredOutputCompiler
-from tinyllm.engine.kv_cache_manager import KVCacheManager
-from tinyllm.engine.memory import available_bytes
-from tinyllm.engine.model_runner import RunnerSpec, kv_bytes_per_token
 from tinyllm.engine.output_processor import OutputProcessor, TokenUpdate
 from tinyllm.engine.outputs import RequestOutput
 from tinyllm.engine.parent_request import ParentRequest, child_params
-from tinyllm.engine.request import Request, RequestStatus
 from tinyllm.engine.sampling_params import SamplingParams
-from tinyllm.engine.scheduler import Scheduler
-from tinyllm.engine.speculative import SpecStats, Speculator
+from tinyllm.engine.sched.kv_cache_manager import KVCacheManager
+from tinyllm.engine.sched.request import Request, RequestStatus
+from tinyllm.engine.sched.scheduler import Scheduler
+from tinyllm.engine.spec_decode.speculator import SpecStats, Speculator
 from tinyllm.engine.step_message import ModelRunnerOutput, SchedulerOutput
+from tinyllm.engine.structured_output.grammar import GrammarMasks, StructuredOutputCompiler
 from tinyllm.engine.validation import check_token_ids
+from tinyllm.engine.worker.model_runner import RunnerSpec, kv_bytes_per_token
+from tinyllm.host.memory import available_bytes
 from tinyllm.model.llama import Transformer
 from tinyllm.model.quant import describe_weights
 from tinyllm.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # torch.distributed's import is for tensor-parallel runs only
-    from tinyllm.engine.workers import WorkerGroup
+    from tinyllm.engine.worker.transport import WorkerGroup
 
 log = logging.getLogger("tinyllm")
 

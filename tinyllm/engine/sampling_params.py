@@ -5,7 +5,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from tinyllm.engine.structured_output import StructuredOutputsParams
+from tinyllm.engine.structured_output.params import StructuredOutputsParams
 from tinyllm.engine.validation import is_int, is_real, kind_of, show
 
 # Below this a temperature means greedy: dividing logits by it would overflow (vLLM's value).
@@ -123,7 +123,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     n: int = 1  # completions per prompt; the engine expands a request into n
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # The output must match a JSON schema, regex, choice or grammar (engine/structured_output.py).
+    # The output must match a JSON schema, regex, choice or grammar (structured_output/params.py).
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:

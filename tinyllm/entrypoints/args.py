@@ -4,7 +4,7 @@ import argparse
 import os
 
 from tinyllm.entrypoints.generation_config import GENERATION_CONFIGS
-from tinyllm.entrypoints.threads import default_threads
+from tinyllm.host.threads import default_threads
 
 # The named configs shipped in tinyllm/loaders/configs (listed here: --help imports no torch).
 DUMMY_CONFIGS = ("qwen2.5-0.5b", "llama-3.2-1b", "qwen3-1.7b", "llama-3.1-8b")
@@ -188,8 +188,8 @@ def build_llm(args: argparse.Namespace):
 def run_torchrun_worker(args: argparse.Namespace) -> None:
     """A rank other than 0 under torchrun: the same command line as rank 0's, but this process
     only loads its part of the model and runs rank 0's steps until rank 0 stops."""
-    from tinyllm.engine.tp_worker import make_worker
-    from tinyllm.engine.workers import run_worker
+    from tinyllm.engine.worker.tp_worker import make_worker
+    from tinyllm.engine.worker.transport import run_worker
     from tinyllm.entrypoints.llm import resolve_device
     from tinyllm.loaders.model_loader import LoadConfig
 

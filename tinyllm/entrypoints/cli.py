@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from tqdm import tqdm
 
 from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
-from tinyllm.engine.structured_output import StructuredOutputsParams
+from tinyllm.engine.structured_output.params import StructuredOutputsParams
 from tinyllm.entrypoints.args import add_engine_args, build_llm, run_torchrun_worker
 from tinyllm.entrypoints.bench.args import add_bench_args
 from tinyllm.entrypoints.generation_config import DEFAULT_MAX_TOKENS

@@ -11,11 +11,11 @@ from tinyllm.engine.config import EngineConfig
 from tinyllm.engine.engine import LLMEngine
 from tinyllm.engine.outputs import RequestOutput
 from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
-from tinyllm.engine.structured_output import StructuredOutputsParams
-from tinyllm.engine.tp_worker import start_workers
-from tinyllm.engine.workers import rank_threads
+from tinyllm.engine.structured_output.params import StructuredOutputsParams
+from tinyllm.engine.worker.tp_worker import start_workers
+from tinyllm.engine.worker.transport import rank_threads
 from tinyllm.entrypoints.generation_config import check_generation_config, default_sampling
-from tinyllm.entrypoints.threads import set_threads, warn_if_oversubscribed
+from tinyllm.host.threads import set_threads, warn_if_oversubscribed
 from tinyllm.loaders.model_loader import LoadConfig, load_model
 from tinyllm.model.config import ModelLoadError
 from tinyllm.model.tensor_parallel import apply_tp

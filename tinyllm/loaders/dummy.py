@@ -20,7 +20,7 @@ import torch
 from tokenizers.models import WordLevel
 from torch import Tensor
 
-from tinyllm.engine.memory import available_bytes
+from tinyllm.host.memory import available_bytes
 from tinyllm.loaders.hf import hf_config
 from tinyllm.loaders.source import Checkpoint
 from tinyllm.loaders.stored import InMemory

@@ -12,7 +12,7 @@ import gguf
 import torch
 from torch.overrides import TorchFunctionMode
 
-from tinyllm.engine.memory import release_free_heap
+from tinyllm.host.memory import release_free_heap
 from tinyllm.loaders.dummy import LOAD_FORMATS, load_dummy
 from tinyllm.loaders.gguf import PROGRESS_BYTES
 from tinyllm.loaders.sharding import Shard, read_shard

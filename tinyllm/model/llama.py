@@ -6,7 +6,7 @@ checkpoints store them stacked already, under the model's own names.
 The model knows nothing about scheduling or memory: it runs one flat batch of tokens,
 `forward(input_ids, positions, ctx)`, where `ctx` (built once per step by the model runner)
 carries the attention metadata, the attention backend, each layer's K/V cache and whether the
-layers run as modules or as C++ ops (the runner's choice: tinyllm.engine.layer_executor). Every
+layers run as modules or as C++ ops (the runner's choice: tinyllm.model.layer_executor). Every
 token of every request in the step goes through the linear layers as one (N, hidden) matrix; only
 attention needs to know which tokens belong together, and the backend reads that from the
 metadata. Under tensor parallelism the same model holds one rank's part (ModelConfig.shard), and

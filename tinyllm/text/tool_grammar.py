@@ -17,7 +17,7 @@ from typing import Any
 
 import llguidance
 
-from tinyllm.engine.structured_output import closed_objects
+from tinyllm.text.json_schema import closed_objects
 from tinyllm.text.tool_calls import CALL_END, CALL_START
 
 # Fixed separators: a model free to put whitespace anywhere can spend its tokens on it.

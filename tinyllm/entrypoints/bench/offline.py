@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from tinyllm.engine.engine import LLMEngine
-from tinyllm.engine.grammar import GrammarStats
 from tinyllm.engine.outputs import RequestOutput
 from tinyllm.engine.sampling_params import SamplingParams
-from tinyllm.engine.speculative import SpecStats
-from tinyllm.engine.structured_output import StructuredOutputsParams
+from tinyllm.engine.spec_decode.speculator import SpecStats
+from tinyllm.engine.structured_output.grammar import GrammarStats
+from tinyllm.engine.structured_output.params import StructuredOutputsParams
 from tinyllm.entrypoints.args import build_llm, engine_options
 from tinyllm.entrypoints.bench.baseline import BASELINE_BATCH, load_transformers, run_transformers
 from tinyllm.entrypoints.bench.machine import measure_machine

@@ -4,8 +4,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tinyllm.engine.grammar import GrammarStats
-from tinyllm.engine.speculative import SpecStats
+from tinyllm.engine.spec_decode.speculator import SpecStats
+from tinyllm.engine.structured_output.grammar import GrammarStats
 from tinyllm.entrypoints.bench.machine import Machine
 from tinyllm.entrypoints.workloads import Request
 

@@ -14,7 +14,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
 from tinyllm import __version__
-from tinyllm.engine.memory import resident_bytes
 from tinyllm.entrypoints.llm import LLM
 from tinyllm.entrypoints.server.engine_loop import EngineLoop
 from tinyllm.entrypoints.server.errors import APIError, BodyLimitMiddleware, install_error_handlers
@@ -29,6 +28,7 @@ from tinyllm.entrypoints.server.protocol import (
 )
 from tinyllm.entrypoints.server.sampling import chat_prompt, encode
 from tinyllm.entrypoints.server.serving import OpenAIServing
+from tinyllm.host.memory import resident_bytes
 
 log = logging.getLogger("tinyllm.server")
 

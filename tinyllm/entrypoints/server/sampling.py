@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from tinyllm.engine.engine import LLMEngine
 from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
-from tinyllm.engine.structured_output import StructuredOutputsParams
+from tinyllm.engine.structured_output.params import StructuredOutputsParams
 from tinyllm.entrypoints.server.errors import APIError, invalid_params
 from tinyllm.entrypoints.server.protocol import (
     ChatCompletionRequest,

@@ -5,7 +5,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from tinyllm.engine.structured_output import StructuredOutputsParams
+from tinyllm.engine.structured_output.params import StructuredOutputsParams
 from tinyllm.entrypoints.server.errors import APIError
 from tinyllm.entrypoints.server.protocol import (
     AssistantMessage,

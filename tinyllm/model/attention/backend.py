@@ -75,7 +75,7 @@ class AttentionBackend:
 class ForwardContext:
     """What a forward pass needs besides token ids and positions: the step's metadata, the
     backend, each layer's (K, V) cache and how the layers run. The model runner owns the caches,
-    chooses the layer executor once (tinyllm.engine.layer_executor) and builds this."""
+    chooses the layer executor once (tinyllm.model.layer_executor) and builds this."""
 
     meta: AttentionMetadata
     backend: AttentionBackend

@@ -38,7 +38,7 @@ class CPUBackend(AttentionBackend):
     """Every row, decode and prefill alike, in the kernel, for fp32 and bf16 (q and both caches
     of one dtype); anything else goes to the reference backend. On those dtypes the layers
     may run as C++ ops (model/decoder_layer.cpp) that call the same kernel and let it write the
-    step's new K/V too: only with this backend (tinyllm.engine.layer_executor), which is the
+    step's new K/V too: only with this backend (tinyllm.model.layer_executor), which is the
     kernel's entry for the modules' path and the tests."""
 
     name = "cpu"

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tinyllm.entrypoints.threads import default_threads, set_threads
+from tinyllm.host.threads import default_threads, set_threads
 
 # How long a handler's collective, or rank 0's send, may wait for a live peer before failing.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)

@@ -4,10 +4,10 @@ import enum
 
 from llguidance import LLMatcher
 
-from tinyllm.engine.block_pool import BlockKey
-from tinyllm.engine.ngram_proposer import NgramIndex
 from tinyllm.engine.outputs import TokenLogprob
 from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.engine.sched.block_pool import BlockKey
+from tinyllm.engine.spec_decode.ngram_proposer import NgramIndex
 
 
 class RequestStatus(enum.Enum):
@@ -53,7 +53,7 @@ class Request:
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             None if params.prompt_logprobs is None else [None]
         )
-        # Speculative decoding (engine/speculative.py): the draft tokens to verify in the next
+        # Speculative decoding (spec_decode/speculator.py): the draft tokens to verify in the next
         # step after the last sampled token, and the n-grams of its tokens that drafts are
         # looked up in (made at its first lookup, grown with its tokens: a preempted request
         # keeps its tokens, so it keeps them too).

@@ -19,7 +19,8 @@ import torch
 from llguidance import LLExecutor, LLMatcher, LLTokenizer, grammar_from
 from torch import Tensor
 
-from tinyllm.engine.structured_output import StructuredOutputsParams, closed_objects
+from tinyllm.engine.structured_output.params import StructuredOutputsParams
+from tinyllm.text.json_schema import closed_objects
 
 if TYPE_CHECKING:
     from tinyllm.text.tokenizer import Tokenizer

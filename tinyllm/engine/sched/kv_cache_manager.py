@@ -24,8 +24,8 @@ its own that are not yet full.
 
 import math
 
-from tinyllm.engine.block_pool import BlockPool, block_key
-from tinyllm.engine.request import Request
+from tinyllm.engine.sched.block_pool import BlockPool, block_key
+from tinyllm.engine.sched.request import Request
 
 
 class KVCacheManager:

@@ -2,14 +2,14 @@
 runs every step's message (engine/step_message.py) beside rank 0's. It never samples: rank 0
 does, and the tokens reach this rank in the next step's message like any other token.
 
-`make_worker` is what engine/workers.py calls in each worker process (spawned on one host, or
+`make_worker` is what worker/transport.py calls in each worker process (spawned on one host, or
 started by torchrun on several)."""
 
 import torch
 
-from tinyllm.engine.model_runner import ModelRunner, RunnerSpec
 from tinyllm.engine.step_message import SchedulerOutput
-from tinyllm.engine.workers import WorkerGroup, torchrun_rank
+from tinyllm.engine.worker.model_runner import ModelRunner, RunnerSpec
+from tinyllm.engine.worker.transport import WorkerGroup, torchrun_rank
 from tinyllm.loaders.model_loader import LoadConfig, load_model
 from tinyllm.model.tensor_parallel import apply_tp
 

@@ -1,7 +1,7 @@
 """Who runs next, and how many tokens each: one token budget for decodes and prefill chunks.
 
 Each step: running requests first, oldest first, each its next token (a decode, followed by
-its draft tokens when speculative decoding proposed some: engine/speculative.py) or the next
+its draft tokens when speculative decoding proposed some: spec_decode/speculator.py) or the next
 chunk of a prompt still being prefilled; then waiting requests, oldest first, while the budget,
 `max_num_seqs` and free blocks allow, the last one's prompt chunked to fit what is left. A
 waiting request first matches the prefix cache: it shares the matched blocks and starts after
@@ -17,8 +17,8 @@ scheduled request, and the ids of the requests ended since the last step.
 
 from collections import deque
 
-from tinyllm.engine.kv_cache_manager import KVCacheManager
-from tinyllm.engine.request import Request, RequestStatus
+from tinyllm.engine.sched.kv_cache_manager import KVCacheManager
+from tinyllm.engine.sched.request import Request, RequestStatus
 from tinyllm.engine.step_message import CachedRequestData, NewRequestData, SchedulerOutput
 
 

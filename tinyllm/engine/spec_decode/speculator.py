@@ -1,9 +1,9 @@
 """Speculative decoding by n-gram prompt lookup: which requests get draft tokens each step.
 
 A decoding request whose recent tokens occurred earlier in its context gets the tokens that
-followed them as drafts (engine/ngram_proposer.py). The scheduler runs them with the request's
+followed them as drafts (spec_decode/ngram_proposer.py). The scheduler runs them with the request's
 next token as one row of 1 + k query tokens; the sampler keeps the drafts the model agrees with
-and adds the model's own next token (engine/sampler.py `verify`); the engine rolls the rest back.
+and adds the model's own next token (worker/sampler.py `verify`); the engine rolls the rest back.
 Greedy output is the same token for token as without speculation, since the K/V and logits of
 each position do not depend on what shares the step (the default CPU path is batch-invariant).
 
@@ -27,8 +27,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from tinyllm.engine.config import SpeculativeConfig
-from tinyllm.engine.ngram_proposer import NgramProposer
-from tinyllm.engine.request import Request
+from tinyllm.engine.sched.request import Request
+from tinyllm.engine.spec_decode.ngram_proposer import NgramProposer
 
 _SAMPLED_LOOKUP_MIN = 2  # the shortest match a sampled request drafts from
 

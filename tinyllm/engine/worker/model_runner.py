@@ -21,13 +21,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tinyllm.engine.layer_executor import choose_layer_executor
-from tinyllm.engine.logprobs import token_logprobs
 from tinyllm.engine.outputs import TokenLogprob
-from tinyllm.engine.sampler import Sampler
 from tinyllm.engine.sampling_params import SamplingParams
 from tinyllm.engine.step_message import ModelRunnerOutput, SchedulerOutput
+from tinyllm.engine.worker.logprobs import token_logprobs
+from tinyllm.engine.worker.sampler import Sampler
 from tinyllm.model.attention import AttentionBackend, AttentionMetadata, ForwardContext, get_backend
+from tinyllm.model.layer_executor import choose_layer_executor
 from tinyllm.model.llama import Transformer
 
 _PROMPT_LOGITS_ROWS = 128  # prompt positions per LM-head call (see _prompt_logprobs)
@@ -102,7 +102,7 @@ class ModelRunner:
         layer_executor: str = "auto",
         samples: bool = True,
     ):
-        """`layer_executor`: how the layers run (tinyllm.engine.layer_executor), decided here.
+        """`layer_executor`: how the layers run (tinyllm.model.layer_executor), decided here.
         `samples`: False on a tensor-parallel rank other than 0, which runs the layers with the
         others but leaves the LM head and sampling to rank 0."""
         self.model, self.backend, self.block_size = model, backend, block_size

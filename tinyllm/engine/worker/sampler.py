@@ -10,10 +10,10 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from tinyllm.engine.grammar import apply_bitmask
-from tinyllm.engine.logprobs import token_logprobs
 from tinyllm.engine.outputs import TokenLogprob
 from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.engine.structured_output.grammar import apply_bitmask
+from tinyllm.engine.worker.logprobs import token_logprobs
 
 _NEG_INF = float("-inf")
 
@@ -67,7 +67,7 @@ class Sampler:
         The `constrained` requests (structured output; by index) can only choose what their
         grammar allows: `bitmask` row i is request constrained[i]'s mask (GrammarMasks.fill),
         applied first, before penalties, temperature and the filters. Constrained and penalized
-        requests have no drafts (engine/speculative.py). Logprobs are those of the model's own
+        requests have no drafts (spec_decode/speculator.py). Logprobs are those of the model's own
         distribution (before masks, penalties and temperature), as vLLM and OpenAI report
         them."""
         # Each request's first row: its rows are its last token's, then one per draft.
