@@ -12,7 +12,8 @@ within 0.90-1.06 by step, against 0.56-1.35 request by request). But stepping tw
 turn slows one-row steps (bound by streaming the weights) more than verified rows: with
 speculation off on both sides each side made 79 tok/s by step against 98 one engine after the
 other, so `--by-step` reads `grounded`, where the sides' steps differ most, high (1.95x against
-1.7-1.8x request by request, docs/INFERENCE.md). Use it where both sides run one-row steps
+1.7-1.8x request by request, docs/MEASUREMENTS.md, "Speculative decoding"). Use it where both
+sides run one-row steps
 (`single` sampled). Prints each side's output tokens/s and the ratio, and the drafts accepted.
 
     PYTHONPATH=. python benchmarks/spec_decode_ab.py grounded --threads 1

@@ -115,7 +115,8 @@ def test_greedy_close_to_the_fp32_reference(llm_by_format, fmt):
 
 
 def test_a_requests_bits_do_not_depend_on_batch_budget_or_threads(default_config_llm):
-    """The promise docs/INFERENCE.md makes for the default configuration: a greedy request's
+    """The promise docs/DESIGN.md, "The same request gives the same bits", makes for the default
+    configuration: a greedy request's
     logprobs are bit-identical alone or among 32 other requests, at any chunked-prefill budget,
     on one thread or two."""
     tok = default_config_llm.tokenizer

@@ -10,8 +10,8 @@ class SpeculativeConfig:
     """Speculative decoding (spec_decode/speculator.py), with vLLM's `speculative_config` names;
     method "ngram" (prompt lookup) is the one there is."""
 
-    # The defaults measured best on `tinyllm bench grounded` (docs/INFERENCE.md, "Speculative
-    # decoding"): each draft a step verifies costs it 15-20% more on the default model.
+    # The defaults measured best on `tinyllm bench grounded` (docs/MEASUREMENTS.md,
+    # "Speculative decoding"): each draft a step verifies costs it 15-20% more on the default model.
     num_speculative_tokens: int = 6
     method: str = "ngram"
     prompt_lookup_min: int = 1  # a sampled request's is at least 2 (spec_decode/speculator.py)

@@ -132,7 +132,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=1,
         help="split the model over N ranks: this process and N-1 workers on this host, or the "
-        "N processes torchrun starts (docs/INFERENCE.md, 'Tensor parallelism'); each rank gets "
+        "N processes torchrun starts (docs/GUIDE.md, 'Tensor parallelism'); each rank gets "
         "its share of --threads",
     )
     p.add_argument(

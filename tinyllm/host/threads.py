@@ -3,7 +3,7 @@
 torch splits each operation across its threads and waits for the slowest; a thread that the
 kernel does not schedule (because other processes hold the cores) stalls every operation. On a
 2-core machine with other work on both cores that makes two threads several times slower than
-one (docs/INFERENCE.md, "Threads on a busy machine").
+one (docs/MEASUREMENTS.md, "Threads on a busy machine").
 """
 
 import logging

@@ -4,8 +4,8 @@ the format it will run in, so that real model shapes can be benchmarked without 
 The config is a Hugging Face config.json (a file, or a directory holding one) or one of the
 named real configs shipped in loaders/configs/. Quantized weights are made as blocks directly
 (model/quant.py's GroupQuantized: random codes, plausible scales), never as a dense fp32 matrix
-first, so an 8B-class int4 model takes about its packed size in memory (docs/INFERENCE.md,
-"Real model shapes", measures the build). Every
+first, so an 8B-class int4 model takes about its packed size in memory
+(docs/MEASUREMENTS.md, "Real model shapes", measures the build). Every
 layer shares one random code tensor per projection shape (a layer's own scales differ): the
 kernel reads each layer's packed copy all the same, and drawing codes for every layer would
 cost time and memory and measure nothing more.

@@ -11,7 +11,7 @@ from 6-bit sub-scales. So:
   whose m - d is then rounded to fp16.
 Q2_K, Q3_K and Q6_K have sub-blocks of 16, two scales in one of the kernel's groups: their
 weights are dequantized and rounded again (model/quant.py's int4_groups or int8_groups).
-docs/INFERENCE.md gives what each choice costs.
+docs/MEASUREMENTS.md, "GGUF block types", gives what each choice costs.
 """
 
 import warnings

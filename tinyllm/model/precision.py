@@ -11,7 +11,8 @@ QUANTIZATIONS = ("none", "int8", "int4")
 
 def amx() -> bool:
     """Whether this CPU has AMX tiles, where bf16 matrix products run several times faster than
-    fp32. With AVX512-BF16 alone they measured slower than fp32 (docs/INFERENCE.md)."""
+    fp32. With AVX512-BF16 alone they measured slower than fp32 (docs/MEASUREMENTS.md, "Weight
+    formats")."""
     return getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
 
 

@@ -53,7 +53,7 @@ constexpr int kMaxRows = 4;     // activation rows sharing one pass over a tile'
 // Records fetched ahead of use, into L2: at one activation row the kernel is bound by memory,
 // and the hardware prefetcher alone left a third of the bandwidth unused. Into L2 rather than
 // L1 (16 ahead, before), a 1B model's decode linears ran 15-20% faster per thread
-// (docs/INFERENCE.md, "Real model shapes"), likely as more lines can be in flight to L2 than
+// (docs/MEASUREMENTS.md, "Real model shapes"), likely as more lines can be in flight to L2 than
 // the L1's few miss buffers hold; the kernel's own loads then find them in L2.
 constexpr int64_t kAhead = 32;
 

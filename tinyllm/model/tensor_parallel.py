@@ -15,7 +15,7 @@ and world size; the split is loaders/sharding.py's, Megatron-LM's):
   (DecoderLayer.forward and forward_fused) call on those outputs before the residual add: every
   rank gathers every rank's part and adds them in rank order, in fp32, rounding once to the
   activations' dtype. So every rank holds the same bits, and a token's bits do not depend on
-  what shares its step, as without tensor parallelism (docs/INFERENCE.md, "The same request
+  what shares its step, as without tensor parallelism (docs/DESIGN.md, "The same request
   gives the same bits"): gloo's all-reduce adds in an order that depends on the tensor's size
   (its chunks), and in bf16 it rounds after each addition; a prefix-cache hit, which runs a
   shorter chunk, then gave other logprobs than the full prompt.
@@ -45,7 +45,7 @@ def reduce_in_rank_order(x: Tensor, group: dist.ProcessGroup | None = None) -> N
     """x <- the sum of every rank's x, added in rank order in fp32: the same bits on every
     rank, whatever x's size. An all-gather moves world_size times a decode row's few KB where
     an all-reduce moves about twice: on the CPU the call's latency, not its bytes, is the cost
-    (docs/INFERENCE.md, "Tensor parallelism on a CPU")."""
+    (docs/MEASUREMENTS.md, "Tensor parallelism on a CPU")."""
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     total = parts[0].float()

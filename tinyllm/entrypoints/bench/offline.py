@@ -4,7 +4,8 @@ The machines are shared and noisy, so absolute numbers drift from run to run; th
 a baseline and against the machine's own GEMM rate, all measured in the same process, do not.
 
 On CPU cores that other work keeps busy, run with --threads 1 (or OMP_NUM_THREADS=1): a thread
-pool whose threads wait for each other at every op is then many times slower (docs/INFERENCE.md).
+pool whose threads wait for each other at every op is then many times slower
+(docs/MEASUREMENTS.md, "Threads on a busy machine").
 """
 
 import argparse

@@ -16,7 +16,8 @@
 // item's last token is read, so whatever the scratch block and the unused slots hold cannot
 // leak in. Threads take items as they finish (their costs differ). Against items of one token
 // (a horizontal sum per key and head, bf16 converted per head): 2x on 8 rows of 56 new bf16
-// tokens after 768-1024, decode unchanged (docs/INFERENCE.md, "Attention over a long context").
+// tokens after 768-1024, decode unchanged (docs/MEASUREMENTS.md, "Attention over a long
+// context").
 //
 // Why one routine: a query's arithmetic then depends on nothing but its own position and keys,
 // not on how many tokens its row has or what shares the step. Tiles start at multiples of kTile

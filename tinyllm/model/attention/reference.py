@@ -1,7 +1,7 @@
 """The reference backend: gather each row's blocks into a contiguous copy, then SDPA.
 
 The founding design's read path, kept because it is easy to trust: the other backends are
-tested against it. The copy is its cost (docs/INFERENCE.md measures it)."""
+tested against it. The copy is its cost (docs/MEASUREMENTS.md, "Decode attention")."""
 
 import math
 
