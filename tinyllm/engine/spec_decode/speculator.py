@@ -18,7 +18,7 @@ So it is skipped when it would not pay:
 - a sampled request (temperature > 0) drafts only from a match of at least
   `_SAMPLED_LOOKUP_MIN` tokens: its draft t is accepted with probability p(t), not whenever t
   is the argmax, and text with nothing to copy matches single tokens by chance, so a 1-token
-  match costs a sampled request more than it gains (docs/INFERENCE.md);
+  match costs a sampled request more than it gains (docs/MEASUREMENTS.md, "When a draft pays");
 - a step with more than `max_batch` decoding requests: the weights are already shared by
   enough rows.
 """
@@ -113,6 +113,6 @@ def _drafts_for_match(length: int) -> int:
     row accepted, and after a row with none accepted a wait of 1, 3, 7, 15 then 16 steps" by
     this rule made `grounded` 6-8% faster on the engine (the replay of
     benchmarks/ngram_acceptance.py models 7-8%) and `single` sampled no slower
-    (docs/INFERENCE.md, "Draft length from the match").
+    (docs/MEASUREMENTS.md, "Draft length from the match").
     """
     return 2 ** (length - 1)
