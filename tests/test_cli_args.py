@@ -62,6 +62,10 @@ def test_bench_lists_its_workloads():
         (["serve", "--port", "70000"], "argument --port: '70000' is not a port number"),
         (["serve", "--block-size", "0"], "argument --block-size: must be >= 1, got 0"),
         (["generate", "Hi", "--generation-config", "hf"], "argument --generation-config"),
+        (
+            ["serve", "--speculative-config", '{"method": "eagle"}'],
+            "argument --speculative-config: speculative_config method='eagle'",
+        ),
     ],
 )
 def test_bad_flags_are_usage_errors_before_loading(monkeypatch, capsys, args, named):
