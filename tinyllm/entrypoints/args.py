@@ -74,7 +74,7 @@ def _add_flag(p: argparse.ArgumentParser, f: Field) -> None:
         choices=meta["choices"],
         metavar=meta["metavar"],
         help=meta["help"],
-        action=_Model if f.name == "model" else "store",
+        action=_Model if f.name == "model" else "store",  # MODEL may name it too
     )
 
 

@@ -67,8 +67,7 @@ class LLM:
         # Bad options fail here, before anything loads.
         own, load_config, engine_config = llm_configs(dict(model=model, dtype=dtype, **options))
         dev = resolve_device(own.device)
-        threads, generation_config = own.threads, own.generation_config
-        tp = engine_config.tensor_parallel_size
+        threads, tp = own.threads, engine_config.tensor_parallel_size
         if tp > 1 and threads is None:
             threads = rank_threads(tp)
         if threads is not None:
@@ -79,7 +78,7 @@ class LLM:
         loaded = load_model(load_config, dev, 0, tp)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
-        self.default_sampling = default_sampling(generation_config, loaded.path, loaded.reader)
+        self.default_sampling = default_sampling(own.generation_config, loaded.path, loaded.reader)
         try:
             self.get_default_sampling_params()
         except ValueError as e:
