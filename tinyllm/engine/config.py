@@ -132,7 +132,7 @@ class EngineConfig:
     tensor_parallel_size: int = option(
         1,
         "split the model over N ranks: this process and N-1 workers on this host, or the N "
-        "processes torchrun starts (docs/INFERENCE.md, 'Tensor parallelism'); each rank gets "
+        "processes torchrun starts (docs/GUIDE.md, 'Tensor parallelism'); each rank gets "
         "its share of --threads",
         aliases=("-tp",),
     )
