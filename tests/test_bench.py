@@ -12,7 +12,7 @@ import torch
 from matplotlib.image import imread
 
 from tinyllm.entrypoints import llm as llm_module
-from tinyllm.entrypoints.args import build_llm, default_threads
+from tinyllm.entrypoints.args import build_llm
 from tinyllm.entrypoints.bench.args import add_bench_args
 from tinyllm.entrypoints.bench.machine import Machine
 from tinyllm.entrypoints.bench.offline import weight_bytes_per_token
@@ -26,6 +26,7 @@ from tinyllm.entrypoints.bench.report import (
     to_json,
 )
 from tinyllm.entrypoints.workloads import WORKLOADS, Workload, make_requests
+from tinyllm.host.threads import default_threads
 from tinyllm.model.precision import resolve_dtype
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -1,7 +1,10 @@
-"""The command line before any model loads: help for every option, usage errors named as typed
-(status 2, no traceback), and the prefill progress bar of `stream`."""
+"""The command line before any model loads: flags made from the option fields, help for every
+option, the model given positionally, usage errors named as typed (status 2, no traceback), and
+the prefill progress bar of `stream`."""
 
 import argparse
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +13,9 @@ from tinyllm.engine.config import EngineConfig
 from tinyllm.engine.engine import LLMEngine
 from tinyllm.engine.sampling_params import SamplingParams
 from tinyllm.entrypoints import cli
+from tinyllm.entrypoints.args import engine_options
+from tinyllm.entrypoints.llm_options import OPTION_CLASSES
+from tinyllm.host.options import option_fields
 
 
 def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -56,6 +62,10 @@ def test_bench_lists_its_workloads():
         (["serve", "--port", "70000"], "argument --port: '70000' is not a port number"),
         (["serve", "--block-size", "0"], "argument --block-size: must be >= 1, got 0"),
         (["generate", "Hi", "--generation-config", "hf"], "argument --generation-config"),
+        (
+            ["serve", "--speculative-config", '{"method": "eagle"}'],
+            "argument --speculative-config: speculative_config method='eagle'",
+        ),
     ],
 )
 def test_bad_flags_are_usage_errors_before_loading(monkeypatch, capsys, args, named):
@@ -117,3 +127,66 @@ def test_prefix_caching_flag_reaches_the_engine(monkeypatch, command, flag, on):
     monkeypatch.setattr(llm_module, "LLM", lambda **kwargs: seen.update(kwargs))
     args_module.build_llm(cli.build_parser().parse_args(command + flag))
     assert seen["enable_prefix_caching"] is on
+
+
+@pytest.mark.parametrize(
+    "command", [["serve"], ["chat"], ["bench", "single"], ["bench", "shared-prefix"]]
+)
+def test_the_model_is_positional_or_a_flag(command):
+    parse = cli.build_parser().parse_args
+    assert parse(command + ["m.gguf"]).model == "m.gguf"
+    assert parse(command + ["--block-size", "8", "m.gguf", "-tp", "2"]).model == "m.gguf"
+    assert parse(command + ["--model", "m.gguf"]).model == "m.gguf"
+    assert parse(command + ["m.gguf", "--model", "m.gguf"]).model == "m.gguf"
+    assert parse(command).model is None
+
+
+@pytest.mark.parametrize(
+    "args", [["serve", "a.gguf", "--model", "b.gguf"], ["chat", "--model", "b.gguf", "a.gguf"]]
+)
+def test_two_different_models_are_a_usage_error(monkeypatch, capsys, args):
+    monkeypatch.setattr(cli, "build_llm", lambda args: pytest.fail("the model loaded"))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(args)
+    assert exit_.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"tinyllm {args[0]}: error: two models given") and "b.gguf" in last
+
+
+def test_generate_takes_the_prompt_positionally_and_the_model_as_a_flag():
+    args = cli.build_parser().parse_args(["generate", "Hi", "--model", "m.gguf"])
+    assert (args.prompt, args.model) == ("Hi", "m.gguf")
+
+
+def test_every_option_field_is_a_flag_with_its_default_and_choices():
+    """The flags are made from the config fields: each field's default, choices and help."""
+    parser = next(p for p in cli.iter_parsers(cli.build_parser()) if p.prog == "tinyllm serve")
+    flags = {a.dest: a for a in _options(parser)}
+    args = parser.parse_args([])
+    for cls in OPTION_CLASSES:
+        for f in option_fields(cls):
+            action = flags[f.name]
+            assert action.default == f.default == getattr(args, f.name), f.name
+            assert action.help == f.metadata["help"] and action.choices == f.metadata["choices"]
+    assert set(engine_options(args)) == {f.name for c in OPTION_CLASSES for f in option_fields(c)}
+    assert "-tp" in flags["tensor_parallel_size"].option_strings
+    assert "--no-enable-prefix-caching" in flags["enable_prefix_caching"].option_strings
+
+
+def test_llm_names_an_unknown_option_before_loading():
+    from tinyllm import LLM
+
+    with pytest.raises(TypeError, match="unknown option.* max_num_seq, tensor_parallel: LLM"):
+        LLM(max_num_seq=4, tensor_parallel=2)
+
+
+def test_help_imports_no_torch():
+    """`tinyllm COMMAND --help` stays quick: the options' homes import no torch."""
+    code = (
+        "import sys\n"
+        "from tinyllm.entrypoints import cli\n"
+        "for p in cli.iter_parsers(cli.build_parser()): p.format_help()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "[]"

@@ -112,7 +112,7 @@ def test_named_configs_have_their_real_models_parameter_count(name):
 
 
 def test_named_configs_are_the_ones_the_cli_lists():
-    from tinyllm.entrypoints.args import DUMMY_CONFIGS
+    from tinyllm.loaders.load_config import DUMMY_CONFIGS
 
     assert set(named_configs()) == set(DUMMY_CONFIGS) == set(KNOWN_PARAMETERS)
     assert dummy_config("qwen3-1.7b")[2].qk_norm  # Qwen3's q/k norms, which the model runs

@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from tests.tp_handlers import SumHandler, make_failing_handler, make_sum_handler
-from tinyllm.engine.worker import transport
-from tinyllm.engine.worker.transport import WorkerDiedError, WorkerGroup, rank_threads
+from tinyllm.engine.worker.transport import WorkerDiedError, WorkerGroup
+from tinyllm.host import threads
+from tinyllm.host.threads import rank_threads
 
 CPU = torch.device("cpu")
 # Seconds a dead rank may take to be reported, and a process to be gone.
@@ -171,7 +172,7 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch):
 
 
 def test_each_rank_gets_its_share_of_the_cores(monkeypatch):
-    monkeypatch.setattr(transport, "default_threads", lambda: 8)
+    monkeypatch.setattr(threads, "default_threads", lambda: 8)
     assert [rank_threads(n) for n in (1, 2, 3, 8, 9)] == [8, 4, 2, 1, 1]
     monkeypatch.undo()
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the host's budget, shared

@@ -4,6 +4,9 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+from tinyllm.host.options import option
+from tinyllm.model.choices import ATTENTION_BACKENDS, LAYER_EXECUTORS
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
@@ -59,35 +62,86 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+KV_CACHES = ("paged", "slot")
+# The speculative decoding settings --speculative-config's help shows, at their defaults.
+_SPECULATIVE_EXAMPLE = json.dumps(
+    {
+        name: getattr(SpeculativeConfig, name)
+        for name in ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+    }
+)
+
+
 @dataclass
 class EngineConfig:
-    kv_cache: str = "paged"  # "paged", or "slot": one block of max_model_len tokens per request
-    block_size: int = 16
-    num_blocks: int | None = None  # None: as many as kv_cache_memory holds
+    """The engine's settings. Those declared with `option` are also command-line flags
+    (entrypoints/args.py makes them from these fields); the others are LLM's arguments only."""
+
+    kv_cache: str = option(
+        "paged",
+        "paged: blocks allocated as sequences grow; slot: a whole context per sequence (the "
+        "baseline)",
+        choices=KV_CACHES,
+    )
+    block_size: int = option(16, "tokens per KV block")
     # Bytes of K and V, all layers; per rank under tensor parallelism (each holds its KV heads).
     kv_cache_memory: int = 2 << 30
-    max_num_seqs: int = 64
-    max_model_len: int | None = None  # None: the model's context length
-    # Tokens one step runs: decode tokens plus prefill chunks. A prompt longer than what is left
-    # is prefilled in chunks over several steps, so running streams keep decoding meanwhile.
-    max_num_batched_tokens: int = 512
-    # Share the K/V of prompt prefixes (and earlier turns' answers) between requests; the
-    # paged cache only (the slot baseline has no full blocks to share).
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # see tinyllm.model.attention.BACKENDS
-    # How the decoder layers run: "fused" (C++ ops, CPU), "modules" or "auto"; see
-    # tinyllm.model.layer_executor
-    layer_executor: str = "auto"
-    # Ranks the model is split over (engine/worker/transport.py): this process and N - 1 workers.
-    tensor_parallel_size: int = 1
+    num_blocks: int | None = option(
+        None, f"KV blocks in the pool (default: as many as {kv_cache_memory >> 30} GiB holds)"
+    )
+    max_num_seqs: int = option(64, "sequences decoded together")
+    max_model_len: int | None = option(
+        None, "context length, prompt and output (default: the model's)"
+    )
+    # A prompt longer than what is left of a step's tokens is prefilled in chunks over several
+    # steps, so running streams keep decoding meanwhile.
+    max_num_batched_tokens: int = option(
+        512,
+        "tokens one engine step may run (decode tokens plus prefill chunks); a longer prompt is "
+        "prefilled in chunks",
+    )
+    # The paged cache only: the slot baseline has no full blocks to share.
+    enable_prefix_caching: bool = option(
+        True,
+        "share the KV blocks of repeated prompt prefixes (system prompts, chat histories) "
+        "between requests instead of recomputing them",
+    )
+    attention_backend: str = option(
+        "auto",
+        "auto: the in-place kernel for the device, else the reference gather + SDPA",
+        choices=ATTENTION_BACKENDS,
+    )
+    # Speculative decoding (engine/spec_decode/speculator.py): vLLM's dict, its JSON text, or a
+    # SpeculativeConfig; None: off.
+    speculative_config: SpeculativeConfig | dict | str | None = option(
+        None,
+        f"speculative decoding, vLLM's JSON: '{_SPECULATIVE_EXAMPLE}' (those are the "
+        "defaults): draft tokens looked up in the context, verified in one pass; the same "
+        "greedy tokens, faster where the answer repeats its context (default: off)",
+        metavar="JSON",
+        check=SpeculativeConfig.parse,
+    )
+    layer_executor: str = option(
+        "auto",
+        "how decoder layers run: fused: two C++ ops per layer (CPU, the cpu attention backend, "
+        "float32/bfloat16); modules: one module call per step (any device); auto: fused where "
+        "it can run",
+        choices=LAYER_EXECUTORS,
+    )
+    # This process and N - 1 workers (engine/worker/transport.py).
+    tensor_parallel_size: int = option(
+        1,
+        "split the model over N ranks: this process and N-1 workers on this host, or the N "
+        "processes torchrun starts (docs/GUIDE.md, 'Tensor parallelism'); each rank gets "
+        "its share of --threads",
+        aliases=("-tp",),
+    )
+    # Draws the seeds of requests that set none (no flag: each command's --seed is its own).
     seed: int = 0
-    # Speculative decoding (engine/spec_decode/speculator.py): vLLM's dict, e.g. {"method": "ngram",
-    # "num_speculative_tokens": 5}, its JSON text, or a SpeculativeConfig; None: off.
-    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        if self.kv_cache not in ("paged", "slot"):
+        if self.kv_cache not in KV_CACHES:
             raise ValueError(f"kv_cache={self.kv_cache!r}: choose 'paged' or 'slot'")
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory")
         for name in (*positive, "tensor_parallel_size"):

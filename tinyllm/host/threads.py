@@ -10,6 +10,8 @@ import logging
 import os
 import time
 
+from tinyllm.host.torchrun import ranks_on_host
+
 log = logging.getLogger("tinyllm")
 
 _LOADAVG = "/proc/loadavg"
@@ -25,6 +27,13 @@ def default_threads() -> int:
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         return int(os.environ["OMP_NUM_THREADS"])
     return allowed_cores()
+
+
+def rank_threads(world_size: int, threads: int | None = None) -> int:
+    """Torch threads for each of `world_size` tensor-parallel ranks: `threads`, the host's budget
+    (None: default_threads()), shared by the ranks on this host, at least 1 each."""
+    budget = default_threads() if threads is None else threads
+    return max(1, budget // ranks_on_host(world_size))
 
 
 def allowed_cores() -> int:

@@ -28,7 +28,6 @@ from tinyllm.model.config import ModelConfig, ModelLoadError
 from tinyllm.model.quant import GROUP, GroupQuantized
 from tinyllm.text.tokenizer import Tokenizer
 
-LOAD_FORMATS = ("auto", "dummy")
 SEED = 0
 # Bytes each linear weight takes while a quantized dummy model is built and packed: its fp32
 # scale and offset (8 / 32) and the packed copy (codes, fp16 scale and offset); the codes are

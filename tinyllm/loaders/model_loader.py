@@ -13,8 +13,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from tinyllm.host.memory import release_free_heap
-from tinyllm.loaders.dummy import LOAD_FORMATS, load_dummy
+from tinyllm.loaders.dummy import load_dummy
 from tinyllm.loaders.gguf import PROGRESS_BYTES
+from tinyllm.loaders.load_config import LoadConfig
 from tinyllm.loaders.sharding import Shard, read_shard
 from tinyllm.loaders.source import open_checkpoint, open_model
 from tinyllm.model.llama import Transformer
@@ -23,24 +24,6 @@ from tinyllm.model.quant import describe_weights, quantize_linears
 from tinyllm.text.tokenizer import Tokenizer
 
 log = logging.getLogger("tinyllm")
-
-
-@dataclass(frozen=True)
-class LoadConfig:
-    """What to load and in which format, as LLM's arguments of the same names say it.
-    `max_model_len`: the longest sequence the model serves (None: its context), which picks
-    LongRoPE's factors."""
-
-    model: str | None = None
-    dtype: str | torch.dtype | None = None
-    quantization: str = "auto"
-    load_format: str = "auto"
-    max_model_len: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.load_format not in LOAD_FORMATS:
-            choices = " or ".join(LOAD_FORMATS)
-            raise ValueError(f"load_format={self.load_format!r}: choose {choices}")
 
 
 @dataclass

@@ -18,12 +18,11 @@ import logging
 
 from tinyllm.model.attention import AttentionBackend
 from tinyllm.model.attention.cpu import CPUBackend
+from tinyllm.model.choices import LAYER_EXECUTORS
 from tinyllm.model.layer_ops import NATIVE_DTYPES
 from tinyllm.model.llama import Transformer
 
 log = logging.getLogger("tinyllm")
-
-LAYER_EXECUTORS = ("auto", "fused", "modules")
 
 
 def why_not_fused(model: Transformer, backend: AttentionBackend) -> str | None:

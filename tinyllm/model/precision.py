@@ -3,10 +3,10 @@ chosen for the device (and the file) when left to "auto", with the reason, for t
 
 import torch
 
+from tinyllm.model.choices import DTYPE_NAMES, QUANTIZATIONS
 from tinyllm.model.cpu_library import library_error
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-QUANTIZATIONS = ("none", "int8", "int4")
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def amx() -> bool:

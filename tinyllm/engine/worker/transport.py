@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tinyllm.host.threads import default_threads, set_threads
+from tinyllm.host.threads import rank_threads, set_threads
+from tinyllm.host.torchrun import torchrun_rank
 
 # How long a handler's collective, or rank 0's send, may wait for a live peer before failing.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
@@ -65,20 +66,6 @@ class WorkerDiedError(RuntimeError):
         self.reasons = dict(sorted(reasons.items()))
         text = "; ".join(f"tensor-parallel rank {r} {why}" for r, why in self.reasons.items())
         super().__init__(", ".join(part for part in (text, while_doing) if part))
-
-
-def torchrun_rank() -> int | None:
-    """This process's rank when torchrun (or anything that sets RANK and WORLD_SIZE) started
-    it, else None."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["RANK"])
-    return None
-
-
-def rank_threads(ranks_on_host: int) -> int:
-    """Torch threads for one rank: the host's budget (OMP_NUM_THREADS if set, else the cores
-    this process may use) shared by the ranks on the host, at least 1 each."""
-    return max(1, default_threads() // ranks_on_host)
 
 
 def rank_device(device: torch.device, local_rank: int) -> torch.device:
@@ -110,7 +97,7 @@ def run_worker(
     if not rank:
         raise ValueError(f"run_worker is for ranks other than 0 under torchrun; RANK={rank}")
     world_size, local_rank = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
-    threads = threads or rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    threads = threads or rank_threads(world_size)
     device = rank_device(torch.device(device), local_rank)
     _exit_with_parent(os.getppid())
     _serve(_env_store(rank, world_size), rank, world_size, device, threads, make_handler, args)
@@ -190,8 +177,7 @@ class WorkerGroup:
                 f"tensor_parallel_size={world_size}, but torchrun started WORLD_SIZE={started} "
                 "processes: give torchrun one process per rank"
             )
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        group = cls(world_size, threads or rank_threads(local), timeout)
+        group = cls(world_size, threads or rank_threads(world_size), timeout)
         group._claim_default_group()
         try:
             group._store = _env_store(0, world_size, timeout)

@@ -6,10 +6,9 @@ import torch
 
 from tinyllm.model.attention.backend import AttentionBackend
 from tinyllm.model.attention.reference import ReferenceBackend
+from tinyllm.model.choices import ATTENTION_BACKENDS as BACKENDS
 
 log = logging.getLogger("tinyllm")
-
-BACKENDS = ("auto", "reference", "cpu", "cuda")
 
 
 def get_backend(
