@@ -31,7 +31,7 @@ SUPPORTED_TENSOR_TYPES = (
 )  # fmt: skip
 
 # Files at least this big show a progress bar over their tensors on stderr (as vLLM and
-# llama.cpp show loading progress): a 1B-class int4 file (0.7 GB) takes seconds to read.
+# llama.cpp show loading progress): a 1B-class int4 file takes long enough to read to need one.
 PROGRESS_BYTES = 512 * 2**20
 
 # Llama 3 GGUFs carry no rope-scaling metadata, only this tensor of per-frequency divisors.
@@ -52,7 +52,7 @@ class _CheckedReader(gguf.GGUFReader):
     It hooks the private _build_tensors and _get_str, whose signatures are the same from gguf
     0.10 to 0.19, and the `data` attribute that __init__ sets to the np.memmap: the reader
     slices the map once or twice per metadata value, and np.memmap's Python-level slicing
-    hooks made a 128k-token vocabulary cost seconds. The view's base keeps the map open.
+    hooks make a large vocabulary slow to read. The view's base keeps the map open.
     """
 
     filename: str

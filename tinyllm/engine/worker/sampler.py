@@ -178,8 +178,7 @@ def _race(probs: Tensor, generators: Sequence[torch.Generator]) -> Tensor:
 
 def _argmax(x: Tensor) -> Tensor:
     """Each row's argmax. max's indices are argmax's (the first of equal values, NaN the
-    largest), and torch computes them 3x faster on the CPU: 0.15 ms against 0.45 for a verified
-    row's 7 positions over a 49152-token vocabulary, at one thread."""
+    largest), and torch computes them faster than argmax on the CPU."""
     return x.max(-1).indices
 
 
