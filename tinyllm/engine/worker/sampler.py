@@ -33,18 +33,6 @@ class SamplerRequest(Protocol):
 
 
 class Sampler:
-    def __call__(
-        self,
-        logits: Tensor,
-        requests: Sequence[SamplerRequest],
-        constrained: Sequence[int] = (),
-        bitmask: Tensor | None = None,
-    ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """logits (R, V) float32, one row per request -> chosen tokens and their logprobs."""
-        drafts = [[] for _ in requests]
-        tokens, logprobs = self.verify(logits, requests, drafts, constrained, bitmask)
-        return [t for (t,) in tokens], [lp for (lp,) in logprobs]
-
     def verify(
         self,
         logits: Tensor,
@@ -62,7 +50,7 @@ class Sampler:
         that is a point mass: draft t is accepted with probability p(t) (p after temperature
         and the filters), else one token is drawn from p without t, and when all are accepted
         one more from the last row's p; each request's own generator draws, so a seed fixes
-        the output. A request without drafts samples its one row as it always has.
+        the output. A request without drafts samples its one row.
 
         The `constrained` requests (structured output; by index) can only choose what their
         grammar allows: `bitmask` row i is request constrained[i]'s mask (GrammarMasks.fill),
