@@ -194,8 +194,9 @@ def phi3_gguf(path: Path, reference: torch.nn.Module, qtype: Q = Q.F32) -> Path:
 def test_phi3_gguf_matches_transformers(case: str, tmp_path: Path) -> None:
     reference = random_phi3(**CASES[case], **GGUF_DIMS)
     path = phi3_gguf(tmp_path / "m.gguf", reference)
-    config = open_checkpoint(str(path)).config
-    assert config.architecture == "phi3" and open_checkpoint(str(path)).tensors.keys() >= {
+    checkpoint = open_checkpoint(str(path))
+    config = checkpoint.config
+    assert config.architecture == "phi3" and checkpoint.tensors.keys() >= {
         "model.layers.1.self_attn.qkv_proj.weight",
         "model.layers.1.mlp.gate_up_proj.weight",
     }
