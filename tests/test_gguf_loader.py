@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from tinyllm.loaders import gguf as gguf_loader
-from tinyllm.loaders.gguf import gguf_config, gguf_weights, load_gguf, open_gguf
+from tests.model_runs import checkpoint_weights, load
+from tinyllm.loaders import model_loader
+from tinyllm.loaders.gguf import gguf_config, open_gguf
 from tinyllm.model.config import ModelLoadError, UnsupportedModelError
 
 Q = gguf.GGMLQuantizationType
@@ -100,9 +101,10 @@ def write_gguf(
     extra_tensors: dict[str, np.ndarray] | None = None,
     encode=None,
 ) -> Path:
-    """A tiny model file. 2-D weights are stored as `qtype` (norms and biases stay F32, as in
-    llama.cpp); tensors named in `raw` get blocks of the given type instead: `encode(shape,
-    type, rng)`'s bytes, by default random ones."""
+    """A tiny model file, with a vocabulary of VOCAB tokens for its tokenizer. 2-D weights are
+    stored as `qtype` (norms and biases stay F32, as in llama.cpp); tensors named in `raw` get
+    blocks of the given type instead: `encode(shape, type, rng)`'s bytes, by default random
+    ones. A `metadata` value of None leaves the key out."""
     writer = gguf.GGUFWriter(path, arch)
     values = {
         f"{arch}.block_count": LAYERS,
@@ -114,6 +116,8 @@ def write_gguf(
         f"{arch}.attention.layer_norm_rms_epsilon": 1e-5,
         f"{arch}.rope.freq_base": 10000.0,
         f"{arch}.vocab_size": VOCAB,
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": [f"t{i}" for i in range(VOCAB)],
     } | (metadata or {})
     for key, value in values.items():
         if isinstance(value, str):
@@ -177,8 +181,8 @@ def test_default_model_config(default_reader: gguf.GGUFReader):
 
 
 @pytest.fixture(scope="module")
-def default_weights(default_reader: gguf.GGUFReader) -> dict[str, torch.Tensor]:
-    return gguf_weights(default_reader, gguf_config(default_reader))
+def default_weights(default_gguf_path: Path) -> dict[str, torch.Tensor]:
+    return checkpoint_weights(load(default_gguf_path))
 
 
 @pytest.mark.slow
@@ -215,7 +219,7 @@ MAX_RELATIVE_ERROR = {
 @pytest.mark.parametrize("qtype", list(MAX_RELATIVE_ERROR), ids=lambda q: q.name)
 def test_quantized_tiny_llama_round_trip(tmp_path: Path, qtype: Q):
     originals = hf_weights()
-    _, weights, _ = load_gguf(write_gguf(tmp_path / "m.gguf", originals, qtype=qtype))
+    weights = checkpoint_weights(load(write_gguf(tmp_path / "m.gguf", originals, qtype=qtype)))
     assert set(weights) == set(originals)
     for name, original in originals.items():
         # Blocks run along rows and the q/k permutation moves whole rows, so un-permuting
@@ -237,8 +241,9 @@ def test_qk_permutation_round_trip_llama_with_bias(tmp_path: Path):
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not np.array_equal(stored["blk.0.attn_q.weight"], originals[q])
     assert not np.array_equal(stored["blk.0.attn_k.bias"], originals[q.replace("q_proj", "k_proj")])
-    config, weights, _ = load_gguf(path)
-    assert config.attention_bias
+    model = load(path)
+    weights = checkpoint_weights(model)
+    assert model.config.attention_bias
     for name, original in originals.items():
         assert torch.equal(weights[name], torch.from_numpy(original)), name
 
@@ -250,7 +255,8 @@ def test_qwen_is_not_permuted(tmp_path: Path, arch: str):
     originals = hf_weights(head_dim=head_dim, tied=False, bias=not qwen3, qk_norm=qwen3)
     metadata = {f"{arch}.attention.key_length": head_dim} if qwen3 else {}
     path = write_gguf(tmp_path / "m.gguf", originals, arch, metadata=metadata)
-    config, weights, _ = load_gguf(path)
+    model = load(path)
+    config, weights = model.config, checkpoint_weights(model)
     assert config.architecture == arch and config.head_dim == head_dim
     assert config.attention_bias == (not qwen3) and config.qk_norm == qwen3
     assert not config.tie_word_embeddings
@@ -268,7 +274,7 @@ def test_k_quants_dequantize_like_the_library(tmp_path: Path, qtype: Q):
     reader = open_gguf(path)
     stored = next(t for t in reader.tensors if t.name == "blk.1.ffn_down.weight")
     assert stored.tensor_type == qtype
-    weights = gguf_weights(reader, gguf_config(reader))
+    weights = checkpoint_weights(load(path))
     expected = torch.from_numpy(gguf.quants.dequantize(stored.data, qtype))
     assert weights[name].shape == (HIDDEN, FFN)
     assert torch.isfinite(expected).all()
@@ -277,10 +283,8 @@ def test_k_quants_dequantize_like_the_library(tmp_path: Path, qtype: Q):
 
 def test_dtype_is_applied(tmp_path: Path):
     path = write_gguf(tmp_path / "m.gguf", hf_weights(), qtype=Q.Q8_0)
-    reader = open_gguf(path)
-    config = gguf_config(reader)
-    full = gguf_weights(reader, config)
-    bf16 = gguf_weights(reader, config, dtype=torch.bfloat16)
+    full = checkpoint_weights(load(path))
+    bf16 = checkpoint_weights(load(path, dtype="bfloat16"))
     assert all(w.dtype == torch.bfloat16 for w in bf16.values())
     assert all(torch.equal(bf16[name], w.to(torch.bfloat16)) for name, w in full.items())
 
@@ -289,12 +293,12 @@ def test_dtype_is_applied(tmp_path: Path):
 def test_progress_only_for_big_files(tmp_path: Path, capfd, monkeypatch, threshold: int):
     """A file at least PROGRESS_BYTES long shows its tensors' progress on stderr; a smaller one
     (the default model's, in every test) loads silently."""
-    reader = open_gguf(write_gguf(tmp_path / "m.gguf", hf_weights(), qtype=Q.Q4_0))
-    monkeypatch.setattr(gguf_loader, "PROGRESS_BYTES", threshold)
-    gguf_weights(reader, gguf_config(reader), keep_quantized=True)
+    path = write_gguf(tmp_path / "m.gguf", hf_weights(), qtype=Q.Q4_0)
+    monkeypatch.setattr(model_loader, "PROGRESS_BYTES", threshold)
+    load(path, quantization="auto")
     out, err = capfd.readouterr()
     assert not out
-    assert ("loading GGUF: 100%" in err) == (threshold == 1)
+    assert ("loading weights: 100%" in err) == (threshold == 1)
     assert ("tensor" in err) == (threshold == 1)
 
 
@@ -303,6 +307,7 @@ def test_metadata_defaults_and_vocab_fallbacks(tmp_path: Path):
         "llama.attention.head_count_kv": None,
         "llama.rope.freq_base": None,
         "llama.vocab_size": None,
+        "tokenizer.ggml.tokens": None,
     }
     config = gguf_config(open_gguf(write_gguf(tmp_path / "a.gguf", hf_weights(), metadata=unset)))
     assert config.num_kv_heads == HEADS
@@ -384,7 +389,8 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path: Path, scaling: dict):
         metadata=metadata,
         extra_tensors={"rope_freqs.weight": divisors},
     )
-    config, weights, _ = load_gguf(path)
+    model = load(path)
+    config, weights = model.config, checkpoint_weights(model)
     assert "rope_freqs.weight" not in weights and len(weights) == len(hf_weights())
     assert config.rope_scaling["rope_type"] == "llama3"
     for key, value in scaling.items():
@@ -455,7 +461,7 @@ def test_unsupported_tensor_type(tmp_path: Path, qtype: Q):
     name = "model.layers.1.mlp.down_proj.weight"
     path = write_gguf(tmp_path / "m.gguf", hf_weights(), raw={name: qtype})
     with pytest.raises(UnsupportedModelError, match=rf"'blk.1.ffn_down.weight'.*type {qtype.name}"):
-        load_gguf(path)
+        load(path)
 
 
 def test_tensor_type_unknown_to_gguf(tmp_path: Path):
@@ -474,17 +480,17 @@ def test_missing_unexpected_and_misshapen_tensors(tmp_path: Path):
     del originals["model.layers.1.mlp.up_proj.weight"]
     path = write_gguf(tmp_path / "a.gguf", originals)
     with pytest.raises(ModelLoadError, match="missing tensors model.layers.1.mlp.up_proj.weight"):
-        load_gguf(path)
+        load(path)
 
     extra = {"blk.0.ffn_gate_inp.weight": np.zeros((8, HIDDEN), np.float32)}
     path = write_gguf(tmp_path / "b.gguf", hf_weights(), extra_tensors=extra)
     with pytest.raises(
         UnsupportedModelError, match="unexpected tensor 'blk.0.ffn_gate_inp.weight'"
     ):
-        load_gguf(path)
+        load(path)
 
     path = write_gguf(
         tmp_path / "c.gguf", hf_weights(), metadata={"llama.feed_forward_length": 128}
     )
     with pytest.raises(ModelLoadError, match=r"'blk.0.ffn_gate.weight' has shape \(256, 64\)"):
-        load_gguf(path)
+        load(path)

@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
-from tests.model_runs import prompt_logits
-from tinyllm.loaders.hf import hf_config, hf_weights
+from tests.model_runs import checkpoint_weights, load, prompt_logits
+from tinyllm.loaders.hf import hf_config
 from tinyllm.loaders.source import (
     DEFAULT_MODEL_PACKAGE,
     default_model_path,
@@ -81,13 +81,8 @@ def _write_tokenizer(path: Path) -> None:
     )
 
 
-def _ours(
-    config, weights: dict, ids: torch.Tensor, pads: list[int], backend: str = "auto"
-) -> torch.Tensor:
+def _ours(model: Transformer, ids: torch.Tensor, pads: list[int], backend: str) -> torch.Tensor:
     """Our logits for each row's real tokens, concatenated row by row."""
-    with torch.device("meta"):
-        model = Transformer(config)
-    model.load_weights(weights)
     prompts = [row[pad:].tolist() for row, pad in zip(ids, pads, strict=True)]
     return torch.cat(prompt_logits(model, prompts, backend=backend))
 
@@ -106,6 +101,7 @@ def test_logits_match_transformers(case: str, sharded: bool, backend: str, tmp_p
     family, overrides = CASES[case]
     ref_model = _random_hf_model(family, **overrides)
     path = _save(ref_model, tmp_path / case, sharded)
+    _write_tokenizer(path)
     shards = list(path.glob("model-*.safetensors"))
     assert (path / "model.safetensors.index.json").is_file() == sharded
     assert len(shards) > 1 if sharded else (path / "model.safetensors").is_file()
@@ -115,7 +111,7 @@ def test_logits_match_transformers(case: str, sharded: bool, backend: str, tmp_p
     assert config.tie_word_embeddings == overrides.get("tie_word_embeddings", False)
     pads = [0, 3, 9]
     ids, mask = _padded_batch(pads, T=12)
-    ours = _ours(config, hf_weights(path, torch.float32), ids, pads, backend)
+    ours = _ours(load(path), ids, pads, backend)
     # Positions count real tokens only, as tinyllm's cache does for left-padded rows.
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
@@ -127,14 +123,13 @@ def test_logits_match_transformers(case: str, sharded: bool, backend: str, tmp_p
 
 def test_bf16_weights_and_params(tmp_path: Path) -> None:
     path = _save(_random_hf_model("Qwen2"), tmp_path, sharded=True)
-    fp32, bf16 = hf_weights(path, torch.float32), hf_weights(path, torch.bfloat16)
+    _write_tokenizer(path)
+    model = load(path, dtype="bfloat16")
+    fp32, bf16 = checkpoint_weights(load(path)), checkpoint_weights(model)
     assert fp32.keys() == bf16.keys()
     for name, t in bf16.items():
         assert t.dtype == torch.bfloat16, name
         assert torch.equal(t, fp32[name].to(torch.bfloat16)), name
-    with torch.device("meta"):
-        model = Transformer(hf_config(path))
-    model.load_weights(bf16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
@@ -189,8 +184,10 @@ def test_unused_rotary_buffer_dropped(tmp_path: Path) -> None:
         tensors | {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)},
         path / "model.safetensors",
     )
-    weights = hf_weights(path, torch.float32)
+    _write_tokenizer(path)
+    weights = checkpoint_weights(load(path))
     assert weights.keys() == tensors.keys()
+    assert all(torch.equal(w, tensors[name]) for name, w in weights.items())
 
 
 def _hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -276,20 +273,24 @@ def test_bad_configs(tmp_path: Path) -> None:
 
 
 def test_bad_weights(tmp_path: Path) -> None:
+    empty = _write_config(tmp_path / "empty", model_type="llama")
+    _write_tokenizer(empty)
     with pytest.raises(ModelLoadError, match="neither model.safetensors nor"):
-        hf_weights(_write_config(tmp_path / "empty", model_type="llama"), torch.float32)
+        load(empty)
 
     sharded = _save(_random_hf_model("Llama"), tmp_path / "sharded", sharded=True)
+    _write_tokenizer(sharded)
     victim = sorted(sharded.glob("model-*.safetensors"))[1]
     victim.unlink()
     with pytest.raises(ModelLoadError, match=f"missing .*{victim.name}"):
-        hf_weights(sharded, torch.float32)
+        load(sharded)
 
     single = _save(_random_hf_model("Llama"), tmp_path / "single", sharded=False)
+    _write_tokenizer(single)
     data = (single / "model.safetensors").read_bytes()
     (single / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ModelLoadError, match="cannot read .*model.safetensors"):
-        hf_weights(single, torch.float32)
+        load(single)
 
 
 def test_default_model_path() -> None:

@@ -12,15 +12,14 @@ import pytest
 import torch
 
 from tests.gguf_encoders import quantize, random_blocks
-from tests.model_runs import prompt_logits
+from tests.model_runs import load, prompt_logits
 from tests.test_gguf_loader import HEADS, hf_weights, write_gguf
 from tests.test_quant import quantized_activations, run_at_level
 from tinyllm.entrypoints import cli
-from tinyllm.loaders.gguf import load_gguf
 from tinyllm.loaders.gguf_blocks import GROUP_TYPES, KERNEL_BITS, groups
 from tinyllm.model.config import ModelLoadError
-from tinyllm.model.llama import Transformer, fuse_projections
-from tinyllm.model.quant import pack, quantize_linears, unpack
+from tinyllm.model.llama import Transformer
+from tinyllm.model.quant import pack, unpack
 
 Q = gguf.GGMLQuantizationType
 TYPES = list(KERNEL_BITS)
@@ -175,12 +174,7 @@ def kquant_file(request, tmp_path_factory) -> tuple[Path, float]:
 def tinyllm_model(path: Path, keep_stored: bool = True) -> Transformer:
     """The model as LLM(quantization="auto") builds it, each tensor at its own bits; without
     `keep_stored`, as quantization="int4" does."""
-    config, weights, _ = load_gguf(path, keep_quantized=True)
-    with torch.device("meta"):
-        model = Transformer(config)
-    weights = fuse_projections(weights, config.num_layers)
-    model.load_weights(quantize_linears(model, weights, "int4", torch.float32, keep_stored))
-    return model.eval()
+    return load(path, quantization="auto" if keep_stored else "int4")
 
 
 def test_forced_int4_rounds_8bit_tensors_to_4_bits(kquant_file: tuple[Path, float]):
@@ -250,6 +244,6 @@ def test_scales_beyond_fp16_are_refused(tmp_path: Path):
 
     name = "model.layers.1.mlp.down_proj.weight"
     path = write_gguf(tmp_path / "m.gguf", hf_weights(), raw={name: Q.Q4_K}, encode=huge)
-    load_gguf(path)  # dequantized, as fp32, it loads
+    load(path)  # dequantized, as fp32, it loads
     with pytest.raises(ModelLoadError, match=r"'blk.1.ffn_down.weight': Q4_K blocks whose scale"):
-        load_gguf(path, keep_quantized=True)
+        load(path, quantization="auto")

@@ -11,14 +11,16 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 
-from tests.model_runs import prompt_logits
+from tests.model_runs import checkpoint_weights, load, prompt_logits
 from tests.test_gguf_loader import write_gguf
 from tests.test_hf_loader import BASE, _random_hf_model, _write_tokenizer
 from tests.test_kquant import tinyllm_model
 from tinyllm.entrypoints import cli
-from tinyllm.loaders.gguf import gguf_config, load_gguf, open_gguf
-from tinyllm.loaders.hf import hf_config, hf_weights
+from tinyllm.loaders.gguf import gguf_config, open_gguf
+from tinyllm.loaders.hf import hf_config
+from tinyllm.loaders.source import open_checkpoint
 from tinyllm.model.config import ModelLoadError, UnsupportedModelError
 from tinyllm.model.llama import Transformer
 
@@ -57,11 +59,10 @@ def random_phi3(**overrides) -> torch.nn.Module:
 
 
 def tinyllm_dense(path: Path, context: int | None = None) -> Transformer:
-    """fp32 weights, as LLM(quantization="none") loads a checkpoint; `context` is max_model_len."""
-    with torch.device("meta"):
-        model = Transformer(hf_config(path))
-    model.load_weights(hf_weights(path, torch.float32), context)
-    return model.eval()
+    """fp32 weights, as LLM(quantization="none") loads a checkpoint; `context` is max_model_len.
+    The loader reads a tokenizer too, which save_pretrained does not write: one is added."""
+    _write_tokenizer(path)
+    return load(path, max_model_len=context)
 
 
 def transformers_logits(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
@@ -80,7 +81,7 @@ def prompts(*lengths: int, vocab: int = BASE["vocab_size"]) -> list[list[int]]:
 def test_phi3_checkpoint_matches_transformers(case: str, backend: str, tmp_path: Path) -> None:
     reference = random_phi3(**CASES[case])
     reference.save_pretrained(tmp_path)
-    assert "model.layers.0.self_attn.qkv_proj.weight" in hf_weights(tmp_path, torch.float32)
+    assert "model.layers.0.self_attn.qkv_proj.weight" in load_file(tmp_path / "model.safetensors")
     config = hf_config(tmp_path)
     assert config.architecture == "phi3"
     assert config.rotary_dim == (12 if "partial" in case else None)
@@ -192,8 +193,10 @@ def phi3_gguf(path: Path, reference: torch.nn.Module, qtype: Q = Q.F32) -> Path:
 @pytest.mark.parametrize("case", ["phi3", "phi4-longrope-partial"])
 def test_phi3_gguf_matches_transformers(case: str, tmp_path: Path) -> None:
     reference = random_phi3(**CASES[case], **GGUF_DIMS)
-    config, weights, _ = load_gguf(phi3_gguf(tmp_path / "m.gguf", reference))
-    assert config.architecture == "phi3" and weights.keys() >= {
+    path = phi3_gguf(tmp_path / "m.gguf", reference)
+    checkpoint = open_checkpoint(str(path))
+    config = checkpoint.config
+    assert config.architecture == "phi3" and checkpoint.tensors.keys() >= {
         "model.layers.1.self_attn.qkv_proj.weight",
         "model.layers.1.mlp.gate_up_proj.weight",
     }
@@ -201,9 +204,7 @@ def test_phi3_gguf_matches_transformers(case: str, tmp_path: Path) -> None:
         assert config.rotary_dim == 12
         attention_factor = reference.model.rotary_emb.attention_scaling
         assert config.rope_scaling["attention_factor"] == pytest.approx(attention_factor)
-    with torch.device("meta"):
-        model = Transformer(config)
-    model.load_weights(weights)
+    model = load(path)
     # Both past the original context: the long factors, as the file's context (256) picks.
     batch = prompts(ORIGINAL + 4, ORIGINAL + 9, vocab=GGUF_DIMS["vocab_size"])
     for prompt, logits in zip(batch, prompt_logits(model, batch), strict=True):
@@ -229,7 +230,7 @@ def test_phi3_gguf_weights_are_what_transformers_reads(tmp_path: Path) -> None:
     expected = AutoModelForCausalLM.from_pretrained(
         tmp_path, gguf_file=path.name, dtype=torch.float32
     ).state_dict()
-    _, weights, _ = load_gguf(path)
+    weights = checkpoint_weights(load(path), split=False)
     assert weights.keys() == expected.keys()
     for name, w in weights.items():
         torch.testing.assert_close(w, expected[name], atol=1e-6, rtol=0, msg=name)
@@ -241,7 +242,7 @@ def test_phi3_q4_0_gguf_runs_as_stored(case: str, tmp_path: Path) -> None:
     stored, on the fused C++ layer) against transformers running the file's weights."""
     reference = random_phi3(**CASES[case], **GGUF_DIMS)
     path = phi3_gguf(tmp_path / "m.gguf", reference, Q.Q4_0)
-    _, dequantized, _ = load_gguf(path)
+    dequantized = checkpoint_weights(load(path), split=False)
     missing, _ = reference.load_state_dict(dequantized, strict=False)
     assert missing == (["lm_head.weight"] if "partial" in case else [])  # tied to the embeddings
     model = tinyllm_model(path)

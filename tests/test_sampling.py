@@ -9,7 +9,14 @@ import torch
 from tinyllm.engine.sampling_params import SamplingParams
 from tinyllm.engine.worker.sampler import Sampler, apply_penalties
 
-sample = Sampler()
+_sampler = Sampler()
+
+
+def sample(logits: torch.Tensor, requests: list) -> tuple[list[int], list]:
+    """Each request's token and its logprob, as the model runner samples a step without drafts
+    (Sampler.verify)."""
+    tokens, logprobs = _sampler.verify(logits, requests, [[] for _ in requests])
+    return [t for (t,) in tokens], [lp for (lp,) in logprobs]
 
 
 def _req(prompt=(1, 7), output=(), **kw) -> SimpleNamespace:

@@ -97,8 +97,6 @@ def gguf_file(folder: Path, dims: dict, types: dict[str, Q]) -> Path:
         "llama.attention.head_count_kv": dims["kv_heads"],
         "llama.attention.key_length": dims["head_dim"],
         "llama.rope.dimension_count": dims["head_dim"],
-        "tokenizer.ggml.model": "gpt2",  # LLM's loader reads a tokenizer too
-        "tokenizer.ggml.tokens": [f"t{i}" for i in range(VOCAB)],
     }
     weights = random_llama(**dims)
     return write_gguf(folder / "m.gguf", weights, metadata=metadata, raw=raw, encode=random_blocks)

@@ -13,19 +13,18 @@ import pytest
 import torch
 
 from tests.greedy import assert_greedy_close, top_dicts
-from tests.model_runs import prompt_logits
+from tests.model_runs import checkpoint_weights, load, prompt_logits
 from tests.test_gguf_loader import write_gguf
 from tests.test_hf_loader import BASE, _random_hf_model, _write_config, _write_tokenizer
 from tests.test_kquant import tinyllm_model
 from tests.test_model_families import GGUF_DIMS, hf_greedy, prompts, tinyllm_dense
 from tinyllm import LLM, SamplingParams
-from tinyllm.loaders.gguf import gguf_config, load_gguf, open_gguf
+from tinyllm.loaders.gguf import gguf_config, open_gguf
 from tinyllm.loaders.hf import hf_config
 from tinyllm.model.attention import cuda
 from tinyllm.model.attention.reference import ReferenceBackend
 from tinyllm.model.attention.select import get_backend
 from tinyllm.model.config import ModelLoadError
-from tinyllm.model.llama import Transformer
 
 Q = gguf.GGMLQuantizationType
 WINDOW = 8
@@ -153,14 +152,10 @@ def test_mistral_gguf_matches_transformers(qtype: Q, tmp_path: Path) -> None:
     the file's dequantized weights: only the activations' rounding to 8 bits differs)."""
     reference = random_model(**GGUF_DIMS, rms_norm_eps=1e-5)  # write_gguf's
     path = mistral_gguf(tmp_path / "m.gguf", reference, qtype, WINDOW)
-    config, dequantized, _ = load_gguf(path)
-    assert (config.architecture, config.sliding_window) == ("llama", WINDOW)
-    reference.load_state_dict(dequantized)
-    if qtype == Q.F32:
-        with torch.device("meta"):
-            model = Transformer(config)
-        model.load_weights(dequantized)
-    else:
+    model = load(path)  # fp32, dense: the file's weights dequantized
+    assert (model.config.architecture, model.config.sliding_window) == ("llama", WINDOW)
+    reference.load_state_dict(checkpoint_weights(model))
+    if qtype != Q.F32:
         model = tinyllm_model(path)
         assert model.model.layers[0].self_attn.qkv_proj.bits == 4
     batch = prompts(*LENGTHS, vocab=GGUF_DIMS["vocab_size"])

@@ -100,12 +100,12 @@ def test_greedy_accepts_the_argmax_run_and_adds_the_models_token():
 
 
 def test_a_request_without_drafts_draws_as_without_speculation():
-    """Same seed, same logits: verify() with no drafts is the plain sampler, draw for draw,
+    """Same seed, same logits: a request without drafts draws as it does alone, draw for draw,
     next to a row that has drafts."""
     torch.manual_seed(0)
     logits = torch.randn(4, V)
     sampled = SamplingParams(temperature=1.0, seed=3)
-    (plain,), _ = Sampler()(logits[:1], [_sampled(sampled)])
+    ((plain,),), _ = Sampler().verify(logits[:1], [_sampled(sampled)], [[]])
     a, other = _sampled(sampled), _sampled(SamplingParams(temperature=0))
     tokens, _ = Sampler().verify(logits, [a, other], [[], [1, 2]])
     assert tokens[0] == [plain]

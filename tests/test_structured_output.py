@@ -361,7 +361,7 @@ def test_the_mask_comes_first_and_logprobs_are_the_models(default_config_llm, sa
         output_token_ids=[],
     )
     bitmask = GrammarMasks().fill([matcher], tok.vocab_size)
-    (token,), (lp,) = Sampler()(logits, [req], [0], bitmask)
+    ((token,),), ((lp,),) = Sampler().verify(logits, [req], [[]], [0], bitmask)
     text = tok.decode([token])
     word = next(w for w in ("yes", "no") if w.startswith(text))
     raw = logits[0].log_softmax(-1)

@@ -37,7 +37,7 @@ def resident_bytes() -> int | None:
 def release_free_heap() -> None:
     """Hand the heap's free pages back to the system (glibc's malloc_trim). Loading allocates
     and frees many temporaries below malloc's mmap threshold; glibc keeps their pages, which
-    stay resident (about 350 MB for the default model) until trimmed. No-op without glibc."""
+    stay resident until trimmed. No-op without glibc."""
     try:
         trim = ctypes.CDLL(None).malloc_trim  # the C library this process already runs on
     except (OSError, AttributeError, TypeError):  # not glibc (macOS, musl): nothing to trim

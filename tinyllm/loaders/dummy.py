@@ -143,7 +143,7 @@ class _Random:
         lo, top = (0, 15) if bits == 4 else (1, 255)  # 8-bit codes stay off 0 (see quant.pack)
         key = (n, k, bits)
         if key not in self.codes:
-            # Random bytes drawn 8 at a time (4x faster than a uint8 randint), then on the grid.
+            # Random bytes drawn 8 at a time (cheaper than a uint8 randint), then on the grid.
             words = torch.empty(n * k // 8, dtype=torch.int64)
             codes = words.random_(-(2**63), None, generator=self.gen).view(torch.uint8)
             codes = codes.bitwise_and_(15) if bits == 4 else codes.clamp_min_(1)

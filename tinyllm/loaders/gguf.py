@@ -1,5 +1,5 @@
-"""Load a llama.cpp GGUF file: its metadata as a ModelConfig, its tensors as a Hugging Face
-state dict of dequantized torch tensors, or of the quantized linear layers' groups."""
+"""Load a llama.cpp GGUF file: its metadata as a ModelConfig, its tensors by Hugging Face name,
+each read as a dequantized torch tensor or as the quantized linear layers' groups."""
 
 import math
 import os
@@ -9,7 +9,6 @@ import gguf
 import numpy as np
 import torch
 from gguf.gguf_reader import ReaderTensor
-from tqdm import tqdm
 
 from tinyllm.loaders.gguf_blocks import KERNEL_BITS, groups
 from tinyllm.loaders.stored import ALL, StoredTensor
@@ -31,7 +30,7 @@ SUPPORTED_TENSOR_TYPES = (
 )  # fmt: skip
 
 # Files at least this big show a progress bar over their tensors on stderr (as vLLM and
-# llama.cpp show loading progress): a 1B-class int4 file (0.7 GB) takes seconds to read.
+# llama.cpp show loading progress): a 1B-class int4 file takes long enough to read to need one.
 PROGRESS_BYTES = 512 * 2**20
 
 # Llama 3 GGUFs carry no rope-scaling metadata, only this tensor of per-frequency divisors.
@@ -52,7 +51,7 @@ class _CheckedReader(gguf.GGUFReader):
     It hooks the private _build_tensors and _get_str, whose signatures are the same from gguf
     0.10 to 0.19, and the `data` attribute that __init__ sets to the np.memmap: the reader
     slices the map once or twice per metadata value, and np.memmap's Python-level slicing
-    hooks made a 128k-token vocabulary cost seconds. The view's base keeps the map open.
+    hooks make a large vocabulary slow to read. The view's base keeps the map open.
     """
 
     filename: str
@@ -412,29 +411,6 @@ def gguf_tensors(
     return tensors
 
 
-def gguf_weights(
-    reader: gguf.GGUFReader,
-    config: ModelConfig,
-    dtype: torch.dtype = torch.float32,
-    keep_quantized: bool = False,
-) -> dict[str, torch.Tensor | GroupQuantized]:
-    """Every tensor of gguf_tensors, read whole."""
-    tensors = gguf_tensors(reader, config, dtype, keep_quantized)
-    quiet = len(reader.data) < PROGRESS_BYTES
-    bar = tqdm(tensors.items(), desc="loading GGUF", unit="tensor", disable=quiet)
-    return {hf_name: tensor.read() for hf_name, tensor in bar}
-
-
 def stored_bits(reader: gguf.GGUFReader) -> set[int]:
     """The kernel bits (KERNEL_BITS) of the file's quantized weight matrices."""
     return {KERNEL_BITS[t.tensor_type] for t in reader.tensors if t.tensor_type in KERNEL_BITS}
-
-
-def load_gguf(
-    path: str | os.PathLike, dtype: torch.dtype = torch.float32, keep_quantized: bool = False
-) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupQuantized], gguf.GGUFReader]:
-    """Open, configure and read the weights in one go (see gguf_weights); the reader still
-    holds the vocabulary and the chat template."""
-    reader = open_gguf(path)
-    config = gguf_config(reader)
-    return config, gguf_weights(reader, config, dtype, keep_quantized), reader

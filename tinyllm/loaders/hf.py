@@ -1,4 +1,4 @@
-"""Hugging Face model directories: config.json -> ModelConfig, safetensors -> state dict."""
+"""Hugging Face model directories: config.json -> ModelConfig, safetensors -> tensors by name."""
 
 import json
 import math
@@ -221,8 +221,3 @@ def hf_tensors(model_dir: str | Path, dtype: torch.dtype) -> dict[str, Safetenso
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"cannot read {path}: {e}") from e
     return tensors
-
-
-def hf_weights(model_dir: str | Path, dtype: torch.dtype) -> dict[str, Tensor]:
-    """Every tensor of the checkpoint the model uses, read whole (see hf_tensors)."""
-    return {name: t.read() for name, t in hf_tensors(model_dir, dtype).items()}

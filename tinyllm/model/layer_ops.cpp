@@ -147,7 +147,7 @@ void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
   const int64_t f = out.size(-1), rows = out.numel() / f;
   // exp(-gate) a chunk at a time, then the quotients, in two loops: in one, GCC also computes
   // the quotient of fast_exp's clamped case (a / (1 + e^88)) in every lane and blends it in,
-  // and for most gates that is a denormal, a microcode assist each: 10x slower.
+  // and for most gates that is a denormal, a microcode assist each: many times slower.
   constexpr int64_t kChunk = 256;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* in = x.data_ptr<scalar_t>();

@@ -233,7 +233,7 @@ def quantize_linears(
     quantizers keep the output layer at 6-8 bits. mode "int8": every linear in 8 bits. A tied
     LM head's rows also serve as the token embeddings. With `keep_stored` (quantization "auto"
     on a GGUF file), weights the file stores at 5-8 bits stay 8-bit in "int4": a Q4_K_M file's
-    Q5_0 and Q6_K tensors, rounded again to 4 bits, changed its greedy answers.
+    Q5_0 and Q6_K tensors, rounded again to 4 bits, change its greedy answers.
     """
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantization={mode!r}: choose one of {', '.join(QUANTIZATIONS)}")

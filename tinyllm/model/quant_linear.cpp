@@ -5,13 +5,13 @@
 //   sum_k w[k] x[k] = sum_blocks  d sum(u x)  +  m sum(x)      for w = d u + m.
 // Unlike llama.cpp, an activation is two int8 codes, x = dx (q1 + q2 / 254): q1 rounds x on the
 // block's grid (dx = max|x| / 127), q2 rounds what q1 left, 254 times finer. One int8 code
-// alone costs the small values of a block with a large one most of their bits, which flipped
+// alone costs the small values of a block with a large one most of their bits, which flips
 // near-tied greedy tokens of the default model; two are exact to about 15 bits, and at one
 // row, where the weights' bytes bound the time, the second pass is nearly free.
 // torch's own int4 kernel unpacks every weight to a float first and is bound by that, not by
 // memory; this one reads each weight byte once and does a few instructions per 32 weights.
 // With AMX, calls of 5 rows and more (verifying drafts, batches, prefill) take each block's
-// integer dots as tile products, 1.2x faster at 5 rows to 1.5-1.9x at 64-512, with the same bits.
+// integer dots as tile products, faster and with the same bits.
 //
 // Layout (model/quant.py packs it, in torch): output rows in tiles of 16, so the 16 lanes of a
 // vector hold 16 output rows and no horizontal sum is ever needed. For tile t and block b, one
@@ -51,8 +51,8 @@ constexpr int64_t kBlock = 32;  // weights per scale
 constexpr float kFine = 254.f;  // q2's grid: 254 steps to one of q1's (|x - dx q1| <= dx / 2)
 constexpr int kMaxRows = 4;     // activation rows sharing one pass over a tile's codes
 // Records fetched ahead of use, into L2: at one activation row the kernel is bound by memory,
-// and the hardware prefetcher alone left a third of the bandwidth unused. Into L2 rather than
-// L1 (16 ahead, before), a 1B model's decode linears ran 15-20% faster per thread
+// and the hardware prefetcher alone leaves part of the bandwidth unused. Into L2 rather than
+// L1, because a model's decode linears run faster per thread that way
 // (docs/MEASUREMENTS.md, "Real model shapes"), likely as more lines can be in flight to L2 than
 // the L1's few miss buffers hold; the kernel's own loads then find them in L2.
 constexpr int64_t kAhead = 32;
@@ -77,8 +77,7 @@ inline const int8_t* codes(const Quantized& x, int64_t r, int64_t b) {
 }
 
 // One block of 32 activations (zeros past K) to its codes, scale and sum. The loops have fixed
-// trip counts and no branches, so that they vectorize: twice as fast as the scalar loops were
-// (7 rows of 1536 values: 25 -> 11 us a call, where they had been a fifth of a 7-row down_proj).
+// trip counts and no branches, so that they vectorize.
 inline void quantize_block(const float* __restrict v, int8_t* __restrict q1,
                            int8_t* __restrict q2, float* __restrict d, float* __restrict s) {
   // The largest |v| as an integer max over the values' bits without their signs, which orders
@@ -204,8 +203,8 @@ void tile_dot(const uint8_t* tile, const Quantized& x, float (*acc)[kRows]) {
 // order, so a row's outputs have the same bits whichever path ran it: verifying drafts or
 // prefilling beside other rows never changes a token.
 constexpr int64_t kAmxRows = 8;  // activation rows per tile product (q1 and q2: 16 tile rows)
-// Fewer rows than this take the VNNI path, which measured faster up to 4 rows (a tile product's
-// loads and store cost about what 4 rows' vpdpbusd do): a call of fewer rows, and the rest of a
+// Fewer rows than this take the VNNI path, which is faster for so few (a tile product's loads
+// and store cost about what 4 rows' vpdpbusd do): a call of fewer rows, and the rest of a
 // call's rows past its groups of 8.
 constexpr int64_t kAmxMinRows = 5;
 
@@ -259,8 +258,8 @@ constexpr int64_t kOperandBytes = kBlock * kRows;  // a block's weights as a til
 
 // A record's codes as a tile operand (8 rows of 64 bytes, a byte a weight) at `out`, aligned:
 // 4-bit chunk c's low nibbles are the operand's row 2c (weights 8c .. 8c + 3 of each output
-// row), its high nibbles row 2c + 1; 8-bit chunks are its rows as they are, copied (tile loads
-// straight from the streamed records measured slower than vector loads, then a tile load).
+// row), its high nibbles row 2c + 1; 8-bit chunks are its rows as they are, copied (vector
+// loads, then a tile load, beat tile loads straight from the streamed records).
 template <int BITS>
 inline void tile_operand(const uint8_t* rec, uint8_t* out) {
   prefetch<BITS>(rec);

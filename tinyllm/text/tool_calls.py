@@ -8,7 +8,7 @@ is closed, its arguments as far as they go. So `ToolCallStream`, which sends wha
 the last parse, reassembles to exactly the final parse.
 
 Both read the text with `_AnswerScan`, which keeps where its reading stopped: a streamed delta
-is read once, not the whole answer again (that was quadratic in a long call's length).
+is read once, not the whole answer again (which would be quadratic in a long call's length).
 """
 
 import json

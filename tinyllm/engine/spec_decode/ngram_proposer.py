@@ -40,8 +40,8 @@ class NgramIndex:
 
     def extend(self, tokens: Sequence[int]) -> None:
         # An n-gram is indexed once a token follows it: the suffix itself never matches. A
-        # plain loop: about 1 us a token, which a step's one new token costs and a prompt's
-        # first call pays once (zipping slices is faster only from about 12 tokens on).
+        # plain loop: a step adds one token, and zipping slices pays only over many tokens,
+        # which only a prompt's first call indexes.
         stop = len(tokens) - 1
         ends, lo, hi, earliest = self.ends, self.min_n, self.max_n, self.earliest
         for end in range(self.num_indexed, stop):
@@ -70,10 +70,9 @@ class NgramIndex:
 
 class NgramProposer:
     # Which of several earlier occurrences of the longest n-gram to follow: -1 the most recent,
-    # 0 the earliest (vLLM's). Measured on `grounded` (benchmarks/ngram_acceptance.py, 16
-    # requests): the same tokens per step on the answers that end at EOS (within 2% either
-    # way, k 2-8), and more where the output repeats itself (k=4, n-grams of 1-3: 2.88 against
-    # 2.57 over all 16): a copy in progress continues from where it last was.
+    # 0 the earliest (vLLM's). The most recent: a copy in progress continues from where it last
+    # was, so more drafts are accepted where the output repeats itself, and as many elsewhere
+    # (benchmarks/ngram_acceptance.py on `grounded`).
     occurrence = -1
 
     def __init__(

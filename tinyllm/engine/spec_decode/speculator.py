@@ -103,16 +103,10 @@ class Speculator:
 def _drafts_for_match(length: int) -> int:
     """How many tokens a match of `length` tokens is worth drafting: 2^(length - 1).
 
-    The longer the match, the likelier its drafts are right: the first draft was the next token
-    26% of the time from a 1-token match, 52% from 2, 73% from 3, 83% from 4 and 94% from 5
-    (`grounded` greedy, benchmarks/ngram_acceptance.py). Each draft costs a step 12-17% of a
-    plain decode step (benchmarks/spec_verify_cost.py), so the i-th draft pays while the chance
-    that it and those before it are accepted, about p^i, beats that: 1, 2, 5, 10 and 30 drafts
-    for those five; doubling per token of match follows that. The match predicts a draft better
-    than the request's last verified row does: replacing "at most 2 drafts more than the last
-    row accepted, and after a row with none accepted a wait of 1, 3, 7, 15 then 16 steps" by
-    this rule made `grounded` 6-8% faster on the engine (the replay of
-    benchmarks/ngram_acceptance.py models 7-8%) and `single` sampled no slower
-    (docs/MEASUREMENTS.md, "Draft length from the match").
-    """
+    The longer the match, the likelier its drafts are right (benchmarks/ngram_acceptance.py
+    measures how likely), and each draft adds a small fraction of a plain decode step to the
+    step (benchmarks/spec_verify_cost.py), so the i-th draft pays while the chance that it and
+    those before it are accepted, about p^i, beats that fraction: the drafts that pay grow about
+    twofold per token of match. The match predicts a draft better than the request's last
+    verified row does (docs/MEASUREMENTS.md, "Draft length from the match")."""
     return 2 ** (length - 1)

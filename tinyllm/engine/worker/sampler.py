@@ -33,18 +33,6 @@ class SamplerRequest(Protocol):
 
 
 class Sampler:
-    def __call__(
-        self,
-        logits: Tensor,
-        requests: Sequence[SamplerRequest],
-        constrained: Sequence[int] = (),
-        bitmask: Tensor | None = None,
-    ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """logits (R, V) float32, one row per request -> chosen tokens and their logprobs."""
-        drafts = [[] for _ in requests]
-        tokens, logprobs = self.verify(logits, requests, drafts, constrained, bitmask)
-        return [t for (t,) in tokens], [lp for (lp,) in logprobs]
-
     def verify(
         self,
         logits: Tensor,
@@ -62,7 +50,7 @@ class Sampler:
         that is a point mass: draft t is accepted with probability p(t) (p after temperature
         and the filters), else one token is drawn from p without t, and when all are accepted
         one more from the last row's p; each request's own generator draws, so a seed fixes
-        the output. A request without drafts samples its one row as it always has.
+        the output. A request without drafts samples its one row.
 
         The `constrained` requests (structured output; by index) can only choose what their
         grammar allows: `bitmask` row i is request constrained[i]'s mask (GrammarMasks.fill),
@@ -178,8 +166,7 @@ def _race(probs: Tensor, generators: Sequence[torch.Generator]) -> Tensor:
 
 def _argmax(x: Tensor) -> Tensor:
     """Each row's argmax. max's indices are argmax's (the first of equal values, NaN the
-    largest), and torch computes them 3x faster on the CPU: 0.15 ms against 0.45 for a verified
-    row's 7 positions over a 49152-token vocabulary, at one thread."""
+    largest), and torch computes them faster than argmax on the CPU."""
     return x.max(-1).indices
 
 

@@ -5,10 +5,9 @@ decode that copy costs more than the attention itself. The kernel (cpu_kernel.cp
 blocks in place instead: one pass per (row, up to 16 of its new tokens, KV head) over tiles of
 32 keys with an online softmax, each tile read from memory once for those tokens and the KV
 group's query heads, each query computed exactly as it would be alone (so a token's bits do not
-depend on how its prompt was chunked). Decode, SmolLM2 shapes, 64 rows x 512 tokens, fp32:
-0.62-0.66x the bound (K and V bytes over the measured copy bandwidth; a copy also writes, so a
-pass that only reads can beat it) and 3-7x faster than the reference, whose time varies with
-its page faults; `python benchmarks/decode_attention.py [--threads 1] [--dtype bfloat16]`.
+depend on how its prompt was chunked). `python benchmarks/decode_attention.py [--threads 1]
+[--dtype bfloat16]` times it against the reference and against the bound that K and V's bytes
+over the machine's copy bandwidth set (a copy also writes, so a pass that only reads can beat it).
 Prefill rows run in the same kernel, so only dtypes other than fp32 and bf16 go to the
 reference (bf16 is read as is and accumulated in fp32).
 

@@ -14,10 +14,9 @@
 // of shuffles and adds, not one horizontal sum per key. The output sums V rows in registers. A
 // tile's lanes before a query's window and past its position are masked, and no key past the
 // item's last token is read, so whatever the scratch block and the unused slots hold cannot
-// leak in. Threads take items as they finish (their costs differ). Against items of one token
-// (a horizontal sum per key and head, bf16 converted per head): 2x on 8 rows of 56 new bf16
-// tokens after 768-1024, decode unchanged (docs/MEASUREMENTS.md, "Attention over a long
-// context").
+// leak in. Threads take items as they finish (their costs differ). Sharing a tile among an
+// item's queries reads and converts it once for all of them, not once per token
+// (docs/MEASUREMENTS.md, "Attention over a long context").
 //
 // Why one routine: a query's arithmetic then depends on nothing but its own position and keys,
 // not on how many tokens its row has or what shares the step. Tiles start at multiples of kTile
@@ -28,8 +27,7 @@
 // among an item's queries is a loop interchange: each query does the operations, in the order,
 // it would do alone (tests/test_attention_cpu.py checks a token alone against chunks of 3 to 37,
 // with and without a window). A second routine for prompt rows (their queries in vector lanes,
-// scores as outer products) summed in another order and broke that; measured against the
-// per-query routine of the time on a 2000-token prompt and on offline-small, it was no faster.
+// scores as outer products) would sum in another order and break that.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -336,7 +334,7 @@ void attend_queries(const Step<kD, T>& c, int64_t row, int64_t tok, int64_t nq, 
 // (the SSE control register's FTZ and DAZ bits; the thread's own mode is restored after). A key
 // scoring far below the row's maximum gets a weight near fast_exp's floor, e^-87 ~ 1.6e-38, and
 // its V row times that is a denormal: each one a microcode assist, hundreds of cycles. A head
-// whose scores spread by more than ~80 then ran 3 to 10 times slower; the products flushed are
+// whose scores spread by more than ~80 would run several times slower; the products flushed are
 // far below what any output can resolve. Every query runs under the same mode, so a token's
 // bits still depend on nothing but its own position and keys.
 class FlushDenormals {
@@ -368,10 +366,10 @@ void attend_impl(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k
                       static_cast<float>(scale), window};
   // Tokens per item: kQueries, or fewer where the step's rows would give its threads too few
   // items to share evenly. A verified row of 7 tokens is one item per KV head, 3 for the
-  // default model: at two threads one thread did 2 and the other 1; in chunks of 4 it is 6
-  // (93 -> 81 us a layer after 400 keys). Each item converts its tiles of keys again, which
-  // chunks of 1 or 2 tokens do not repay (rows of 2 and 3 tokens split: 42 -> 49 and 56 -> 62
-  // us), so only into chunks of at least kMinSplit. A token's bits do not depend on its item.
+  // default model: at two threads one thread would do 2 and the other 1; in chunks of 4 it is
+  // 6, which they share evenly. Each item converts its tiles of keys again, which chunks of 1
+  // or 2 tokens do not repay, so only into chunks of at least kMinSplit. A token's bits do not
+  // depend on its item.
   constexpr int64_t kMinSplit = 3;
   const int64_t threads = at::get_num_threads(), wanted = 2 * threads, base = num_rows * Hkv;
   int64_t chunk = kQueries;

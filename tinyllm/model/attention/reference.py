@@ -1,6 +1,6 @@
 """The reference backend: gather each row's blocks into a contiguous copy, then SDPA.
 
-The founding design's read path, kept because it is easy to trust: the other backends are
+The simplest read path, kept because it is easy to trust: the other backends are
 tested against it. The copy is its cost (docs/MEASUREMENTS.md, "Decode attention")."""
 
 import math
@@ -14,7 +14,7 @@ from tinyllm.model.attention.backend import AttentionBackend, AttentionMetadata
 
 def gather_blocks(cache: Tensor, table: Tensor) -> Tensor:
     """(R, B) block ids -> (R, B * block_size, H, D), the rows' tokens in order.
-    index_select, not cache[table]: 2-D advanced indexing is ~1000x slower on CPU."""
+    index_select, not cache[table]: 2-D advanced indexing is far slower on CPU."""
     R, B = table.shape
     _, bs, H, D = cache.shape
     return cache.index_select(0, table.reshape(-1)).view(R, B * bs, H, D)
