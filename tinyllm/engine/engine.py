@@ -108,9 +108,9 @@ class LLMEngine:
             self.kv,
             config.max_num_seqs,
             config.max_num_batched_tokens,
-            self.max_model_len,
-            self.structured_output,
-            self.speculator,
+            max_model_len=self.max_model_len,
+            structured_output=self.structured_output,
+            speculator=self.speculator,
         )
         self._parents = ParentRequests()
         self._ids = itertools.count()

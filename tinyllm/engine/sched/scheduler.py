@@ -67,12 +67,13 @@ class Scheduler:
         kv: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        *,
         max_model_len: int = 2**63,
         structured_output: StructuredOutputManager | None = None,
         speculator: Speculator | None = None,
     ):
-        """`max_model_len`, `structured_output` and `speculator` are for `update_from_output`:
-        the context a request finishes at, who advances grammars, who counts drafts."""
+        """The keyword arguments are for `update_from_output`: the context a request finishes
+        at (by default none: only its max_tokens), who advances grammars, who counts drafts."""
         self.kv = kv
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len

@@ -36,6 +36,7 @@ class Executor:
         self.dead: str | None = None
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the step on every rank; rank 0's runner samples."""
         if self.workers is None:
             return self.runner.execute_model(out)
         # Rank 0 builds its batch first: a failure there stops the step before any rank starts.
