@@ -14,7 +14,8 @@ blocks may still be there).
 The step leaves as a message of data (engine/step_message.py): what the runner lacks of each
 scheduled request, and the ids of the requests ended since the last step. What the runner sends
 back is booked here too (`update_from_output`): computed tokens, drafts rolled back, prompt
-logprobs, grammars advanced, tokens appended, finishes by stop token or length.
+logprobs, grammars advanced, tokens appended, finishes (a stop token, a complete grammar, the
+length limit).
 """
 
 from collections import deque
@@ -190,9 +191,9 @@ class Scheduler:
         self, out: SchedulerOutput, result: ModelRunnerOutput
     ) -> list[TokenUpdate]:
         """Book what a step did: computed tokens (rejected drafts rolled back), prompt logprobs,
-        grammars advanced, sampled tokens appended; finish the requests that a stop token or
-        the length limit ended. Returns each sampled request's update for the output
-        processor."""
+        grammars advanced, sampled tokens appended; finish the requests that a stop token, a
+        complete grammar or the length limit ended. Returns each sampled request's update for
+        the output processor."""
         sampled = [
             (self.requests[req_id], tokens, logprobs)
             for req_id, tokens, logprobs in zip(
@@ -234,11 +235,12 @@ class Scheduler:
         return updates
 
     def _append(self, request: Request, tokens: list[int]) -> int:
-        """Append a request's sampled tokens (its accepted drafts, then the model's own) up to
-        the first that ends it, a stop token or the length limit; how many it kept."""
+        """Append a request's sampled tokens (its accepted drafts, then the model's own), its
+        drafts counted; how many it kept."""
         if request.spec_token_ids:  # only the speculator sets them
             self.speculator.record(len(request.spec_token_ids), len(tokens) - 1)
             request.spec_token_ids = []
+        # A stop token or the length limit inside an accepted run ends it there.
         kept = 0
         while kept < len(tokens) and request.finish_reason is None:
             request.append_token(tokens[kept], self.max_model_len)
@@ -246,6 +248,8 @@ class Scheduler:
         return kept
 
     def _count(self, request: Request, n: int) -> None:
+        """Count the prompt tokens that `n` more computed tokens compute, and those they
+        compute again after a preemption."""
         start, end = request.num_computed_tokens, request.num_computed_tokens + n
         redone = max(0, min(end, request.num_ever_computed) - start)
         self.recomputed_tokens += redone
