@@ -12,10 +12,11 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.http_server import serving
-from tinyllm.engine import engine as engine_module
 from tinyllm.engine.config import EngineConfig
-from tinyllm.engine.engine import LLMEngine, build_kv_cache_manager
+from tinyllm.engine.engine import LLMEngine
 from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.engine.sched import kv_cache_sizing
+from tinyllm.engine.sched.kv_cache_sizing import build_kv_cache_manager
 from tinyllm.entrypoints.server.app import create_app
 from tinyllm.host.memory import resident_bytes
 
@@ -33,7 +34,7 @@ def _size(tiny, caplog, max_len: int = 48, **kw) -> int:
 
 
 def _plenty(monkeypatch, available: int = 1 << 40) -> None:
-    monkeypatch.setattr(engine_module, "available_bytes", lambda device: available)
+    monkeypatch.setattr(kv_cache_sizing, "available_bytes", lambda device: available)
 
 
 def test_the_pool_holds_no_more_than_max_num_seqs_full_requests(tiny, caplog, monkeypatch):
@@ -67,7 +68,7 @@ def test_num_blocks_given_is_used_as_given(tiny, caplog, monkeypatch):
 
 
 def test_available_memory_is_read_from_the_machine(tiny):
-    available = engine_module.available_bytes(torch.device("cpu"))
+    available = kv_cache_sizing.available_bytes(torch.device("cpu"))
     assert available is not None and 0 < available < 1 << 50
 
 

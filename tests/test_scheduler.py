@@ -1,6 +1,7 @@
-"""The scheduler on its own: CPU bookkeeping, no model. `step()` below does what
-LLMEngine.step does around the forward pass: advance `num_computed_tokens` by what ran, give a
-request whose tokens are all computed one sampled token, and finish it when that ends it."""
+"""The scheduler on its own: CPU bookkeeping, no model. `step()` below does by hand what
+Scheduler.update_from_output does after the forward pass: advance `num_computed_tokens` by what
+ran, give a request whose tokens are all computed one sampled token, and finish it when that
+ends it."""
 
 import math
 from dataclasses import dataclass

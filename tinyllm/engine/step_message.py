@@ -6,7 +6,7 @@ The runner keeps its own state per request (token ids, blocks, sampling settings
 generator) from these messages, and drops it when the request's id comes back as finished. A
 request's entry says where its new token ids and block ids go (an offset into what the runner
 holds) rather than only appending them, so applying the same entry twice leaves the same state:
-the engine re-runs a failed step's requests one at a time with the entries it already sent.
+the executor re-runs a failed step's requests one at a time with the entries already sent.
 """
 
 from dataclasses import dataclass, field

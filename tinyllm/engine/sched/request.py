@@ -33,8 +33,9 @@ class Request:
         matcher: LLMatcher | None = None,
     ):
         self.request_id, self.params = request_id, params
-        # Structured output: where the output is in the grammar. The engine advances it; a
-        # preempted request keeps it, since the tokens it accepted stay in the output.
+        # Structured output: where the output is in the grammar. The scheduler advances it after
+        # each step; a preempted request keeps it, since the tokens it accepted stay in the
+        # output.
         self.matcher = matcher
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)

@@ -12,14 +12,26 @@ get a block, the newest running request is preempted: its blocks are freed,
 blocks may still be there).
 
 The step leaves as a message of data (engine/step_message.py): what the runner lacks of each
-scheduled request, and the ids of the requests ended since the last step.
+scheduled request, and the ids of the requests ended since the last step. What the runner sends
+back is booked here too (`update_from_output`): computed tokens, drafts rolled back, prompt
+logprobs, grammars advanced, tokens appended, finishes (a stop token, a complete grammar, the
+length limit).
 """
 
 from collections import deque
+from collections.abc import Iterable
 
+from tinyllm.engine.output_processor import TokenUpdate
 from tinyllm.engine.sched.kv_cache_manager import KVCacheManager
 from tinyllm.engine.sched.request import Request, RequestStatus
-from tinyllm.engine.step_message import CachedRequestData, NewRequestData, SchedulerOutput
+from tinyllm.engine.spec_decode.speculator import Speculator
+from tinyllm.engine.step_message import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from tinyllm.engine.structured_output.manager import StructuredOutputManager
 
 
 def step_message(
@@ -51,15 +63,33 @@ def step_message(
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        *,
+        max_model_len: int = 2**63,
+        structured_output: StructuredOutputManager | None = None,
+        speculator: Speculator | None = None,
+    ):
+        """The keyword arguments are for `update_from_output`: the context a request finishes
+        at (by default none: only its max_tokens), who advances grammars, who counts drafts."""
         self.kv = kv
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.structured_output, self.speculator = structured_output, speculator
+        self.requests: dict[str, Request] = {}  # every request not finished, by its id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the newest is last
         self.num_preemptions = 0
+        self.prompt_tokens = 0  # prompt tokens computed, recomputes not counted again
+        self.generation_tokens = 0  # tokens sampled and kept
+        self.recomputed_tokens = 0  # prefill work redone for preempted requests
         self._finished_req_ids: list[str] = []  # ended since the last step, for the runner
 
     def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -146,3 +176,82 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         if reason is not None:
             request.finish_reason = reason
+        self.requests.pop(request.request_id, None)
+        request.matcher = None  # its grammar state can be large; the request may be kept
+
+    def finish_requests(self, request_ids: Iterable[str], reason: str) -> None:
+        """Finish the requests among these that are not finished yet, for a reason from
+        outside a step's tokens: aborted, refused, failed, ended by a stop string."""
+        for request in [self.requests[r] for r in request_ids if r in self.requests]:
+            self.finish(request, reason)
+
+    # -- after the step ----------------------------------------------------------------------
+
+    def update_from_output(
+        self, out: SchedulerOutput, result: ModelRunnerOutput
+    ) -> list[TokenUpdate]:
+        """Book what a step did: computed tokens (rejected drafts rolled back), prompt logprobs,
+        grammars advanced, sampled tokens appended; finish the requests that a stop token, a
+        complete grammar or the length limit ended. Returns each sampled request's update for
+        the output processor."""
+        sampled = [
+            (self.requests[req_id], tokens, logprobs)
+            for req_id, tokens, logprobs in zip(
+                result.req_ids, result.sampled_token_ids, result.logprobs, strict=True
+            )
+        ]
+        # Draft tokens the model rejected are rolled back: their K/V stays in the blocks, to
+        # be overwritten by the tokens that really come there.
+        rejected = {req: len(req.spec_token_ids) + 1 - len(tokens) for req, tokens, _ in sampled}
+        for req_id, n in out.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            n -= rejected.get(request, 0)
+            self._count(request, n)
+            request.num_computed_tokens += n
+            if req_id in result.prompt_logprobs:
+                request.prompt_logprobs += result.prompt_logprobs[req_id]
+        if self.structured_output is not None:
+            self.structured_output.advance(out, result, self.requests)
+        updates = []
+        for request, tokens, logprobs in sampled:
+            kept = self._append(request, tokens)
+            updates.append(
+                TokenUpdate(
+                    request.request_id,
+                    tokens[:kept],
+                    logprobs[:kept],
+                    request.finish_reason,
+                    request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens,
+                    # Complete once the prompt is: with its first sampled token.
+                    prompt_logprobs=request.prompt_logprobs
+                    if request.num_output_tokens == kept
+                    else None,
+                )
+            )
+            self.generation_tokens += kept
+            if request.finish_reason is not None:
+                self.finish(request)
+        return updates
+
+    def _append(self, request: Request, tokens: list[int]) -> int:
+        """Append a request's sampled tokens (its accepted drafts, then the model's own), its
+        drafts counted; how many it kept."""
+        if request.spec_token_ids:  # only the speculator sets them
+            self.speculator.record(len(request.spec_token_ids), len(tokens) - 1)
+            request.spec_token_ids = []
+        # A stop token or the length limit inside an accepted run ends it there.
+        kept = 0
+        while kept < len(tokens) and request.finish_reason is None:
+            request.append_token(tokens[kept], self.max_model_len)
+            kept += 1
+        return kept
+
+    def _count(self, request: Request, n: int) -> None:
+        """Count the prompt tokens that `n` more computed tokens compute, and those they
+        compute again after a preemption."""
+        start, end = request.num_computed_tokens, request.num_computed_tokens + n
+        redone = max(0, min(end, request.num_ever_computed) - start)
+        self.recomputed_tokens += redone
+        self.prompt_tokens += max(0, min(end, request.num_prompt_tokens) - start - redone)
+        request.num_ever_computed = max(request.num_ever_computed, end)

@@ -3,7 +3,7 @@
 A decoding request whose recent tokens occurred earlier in its context gets the tokens that
 followed them as drafts (spec_decode/ngram_proposer.py). The scheduler runs them with the request's
 next token as one row of 1 + k query tokens; the sampler keeps the drafts the model agrees with
-and adds the model's own next token (worker/sampler.py `verify`); the engine rolls the rest back.
+and adds the model's own next token (worker/sampler.py `verify`); the scheduler rolls the rest back.
 Greedy output is the same token for token as without speculation, since the K/V and logits of
 each position do not depend on what shares the step (the default CPU path is batch-invariant).
 

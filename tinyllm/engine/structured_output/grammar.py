@@ -1,8 +1,8 @@
 """Constrained decoding with llguidance: a request's StructuredOutputsParams compiled into a
 matcher (where its output is in the grammar), and each step's token masks.
 
-The engine computes each step's masks for the constrained requests and sends them with the
-step; the sampler masks each constrained row's logits to the tokens allowed; the engine then
+Each step the constrained requests' masks are computed and sent with the step (manager.py);
+the sampler masks each constrained row's logits to the tokens allowed; the scheduler then
 advances each matcher with the chosen token."""
 
 import dataclasses

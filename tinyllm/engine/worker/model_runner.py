@@ -126,7 +126,8 @@ class ModelRunner:
         """Run each scheduled request's next tokens (its draft tokens last). The output holds,
         for the requests whose tokens are now all computed (a finished prompt or a decode), the
         drafts the model accepted, then one token of its own; and the prompt logprobs computed.
-        Advancing `num_computed_tokens` (past the accepted drafts only) is the scheduler's."""
+        Advancing `num_computed_tokens` (past the accepted drafts only) is the scheduler's
+        `update_from_output`."""
         return self.execute_batch(self.prepare_inputs(out), out)
 
     def execute_batch(self, batch: StepBatch, out: SchedulerOutput) -> ModelRunnerOutput:
