@@ -12,8 +12,9 @@ import dataclasses
 import itertools
 import logging
 import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from llguidance import LLMatcher
 
@@ -21,16 +22,21 @@ from tinyllm.engine.config import EngineConfig
 from tinyllm.engine.output_processor import OutputProcessor, TokenUpdate
 from tinyllm.engine.outputs import RequestOutput
 from tinyllm.engine.parent_request import ParentRequest, child_params
+from tinyllm.engine.request_validator import RequestValidator
 from tinyllm.engine.sampling_params import SamplingParams
 from tinyllm.engine.sched.kv_cache_manager import KVCacheManager
 from tinyllm.engine.sched.request import Request, RequestStatus
 from tinyllm.engine.sched.scheduler import Scheduler
 from tinyllm.engine.spec_decode.speculator import SpecStats, Speculator
 from tinyllm.engine.step_message import ModelRunnerOutput, SchedulerOutput
-from tinyllm.engine.structured_output.grammar import GrammarMasks, StructuredOutputCompiler
-from tinyllm.engine.validation import check_token_ids
+from tinyllm.engine.structured_output.grammar import (
+    GrammarMasks,
+    GrammarStats,
+    StructuredOutputCompiler,
+)
 from tinyllm.engine.worker.model_runner import RunnerSpec, kv_bytes_per_token
 from tinyllm.host.memory import available_bytes
+from tinyllm.model.config import ModelConfig
 from tinyllm.model.llama import Transformer
 from tinyllm.model.quant import describe_weights
 from tinyllm.text.tokenizer import Tokenizer
@@ -39,6 +45,8 @@ if TYPE_CHECKING:  # torch.distributed's import is for tensor-parallel runs only
     from tinyllm.engine.worker.transport import WorkerGroup
 
 log = logging.getLogger("tinyllm")
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -186,19 +194,7 @@ class LLMEngine:
         self._matcher(params)
 
     def _check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        n, limit = len(prompt_token_ids), self.max_model_len
-        if n == 0:
-            raise ValueError("the prompt is empty: give at least one token")
-        if n >= limit:
-            raise ValueError(
-                f"prompt is {n} tokens, but this model's context is {limit} tokens "
-                f"({self._context_is}; the prompt must leave room for a generated token)"
-            )
-        vocab = self.model.config.vocab_size
-        check_token_ids("prompt", prompt_token_ids, vocab)
-        # SamplingParams checked their types; only the engine knows the vocabulary.
-        check_token_ids("SamplingParams.stop_token_ids", params.stop_token_ids, vocab)
-        check_token_ids("SamplingParams.logit_bias", list(params.logit_bias), vocab)
+        self.request_validator().check_prompt(prompt_token_ids, params)
 
     def _matcher(self, params: SamplingParams) -> LLMatcher | None:
         so = params.structured_outputs
@@ -310,6 +306,72 @@ class LLMEngine:
         """Stop the tensor-parallel workers, if any (idempotent; also done at exit)."""
         if self.workers is not None:
             self.workers.close()
+
+    # -- what the entrypoints see ---------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """The logits' width: every token id is below it."""
+        return self.model.config.vocab_size
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.model.config
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """The most tokens one step runs: a longer prompt takes several steps to prefill."""
+        return self.config.max_num_batched_tokens
+
+    @property
+    def alive(self) -> bool:
+        """False once the engine cannot run another step (a tensor-parallel rank died, or the
+        ranks went out of step); step() then raises, saying why."""
+        return self.dead is None
+
+    def request_validator(self) -> RequestValidator:
+        """The checks add_request makes, as an object any thread may call while the engine
+        steps (its limits are copies, its grammar compiler is thread-safe)."""
+        return RequestValidator(
+            self.max_model_len, self._context_is, self.vocab_size, self.grammars
+        )
+
+    def outputs(self) -> Iterator[list[RequestOutput]]:
+        """Step while any request is unfinished, yielding each step's outputs. Requests added
+        or aborted between two steps are part of the run; it ends once none is left."""
+        while self.has_unfinished():
+            yield self.step()
+
+    def num_computed_tokens(self, request_id: str) -> int | None:
+        """How many of a request's tokens (its prompt first) the model has run: a long
+        prompt's prefill progress. None once it has finished (or for an unknown id)."""
+        request = self.requests.get(request_id)
+        return None if request is None else request.num_computed_tokens
+
+    def abort_all(self) -> list[RequestOutput]:
+        """Abort every request; their final outputs."""
+        outputs = [self.abort(request_id) for request_id in [*self.parents, *self.requests]]
+        return [out for out in outputs if out is not None]  # a parent's children went with it
+
+    def spec_stats(self) -> SpecStats | None:
+        """Speculative decoding's drafts and accepted tokens so far; None when it is off."""
+        return None if self.speculator is None else self.stats().spec_decode
+
+    def grammar_stats(self) -> GrammarStats:
+        """What constrained decoding has cost so far (a copy)."""
+        return dataclasses.replace(self.grammar_masks.stats)
+
+    def with_config(self, **changes: object) -> "LLMEngine":
+        """A fresh engine over this one's model and tensor-parallel workers, its config with
+        `changes`: its own KV cache, no requests, counters at zero. The workers build a fresh
+        runner for it, so this engine must not step again."""
+        config = dataclasses.replace(self.config, **changes)
+        return LLMEngine(self.model, self.tokenizer, config, self.workers)
+
+    def apply_model(self, fn: Callable[[Transformer], T]) -> T:
+        """`fn(model)`, for measurements of the loaded weights (their bytes, their format,
+        the device). Under tensor parallelism, rank 0's part. `fn` must not change the model."""
+        return fn(self.model)
 
     # -- one step -------------------------------------------------------------
 
