@@ -316,6 +316,7 @@ class LLMEngine:
 
     @property
     def model_config(self) -> ModelConfig:
+        """The loaded model's architecture: layers, heads, sizes, vocabulary."""
         return self.model.config
 
     @property
