@@ -219,7 +219,8 @@ def test_abort_all_ends_every_request_and_frees_every_block(tiny):
 def test_the_request_validator_refuses_what_add_request_refuses_from_another_thread(tiny):
     engine = _engine(tiny)
     validator = engine.request_validator()
-    assert (validator.max_model_len, validator.vocab_size) == (TINY_MAX_LEN, engine.vocab_size)
+    assert validator.limits.max_model_len == TINY_MAX_LEN
+    assert validator.limits.vocab_size == engine.vocab_size
     bad = [
         ([], GREEDY),
         ([5] * TINY_MAX_LEN, GREEDY),

@@ -22,6 +22,7 @@ from tinyllm.engine.config import EngineConfig
 from tinyllm.engine.output_processor import OutputProcessor, TokenUpdate
 from tinyllm.engine.outputs import RequestOutput
 from tinyllm.engine.parent_request import ParentRequest, child_params
+from tinyllm.engine.prompt_limits import PromptLimits
 from tinyllm.engine.request_validator import RequestValidator
 from tinyllm.engine.sampling_params import SamplingParams
 from tinyllm.engine.sched.kv_cache_manager import KVCacheManager
@@ -194,7 +195,7 @@ class LLMEngine:
         self._matcher(params)
 
     def _check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.request_validator().check_prompt(prompt_token_ids, params)
+        self.request_validator().limits.check(prompt_token_ids, params)
 
     def _matcher(self, params: SamplingParams) -> LLMatcher | None:
         so = params.structured_outputs
@@ -333,9 +334,8 @@ class LLMEngine:
     def request_validator(self) -> RequestValidator:
         """The checks add_request makes, as an object any thread may call while the engine
         steps (its limits are copies, its grammar compiler is thread-safe)."""
-        return RequestValidator(
-            self.max_model_len, self._context_is, self.vocab_size, self.grammars
-        )
+        limits = PromptLimits(self.max_model_len, self.vocab_size, self._context_is)
+        return RequestValidator(limits, self.grammars)
 
     def outputs(self) -> Iterator[list[RequestOutput]]:
         """Step while any request is unfinished, yielding each step's outputs. Requests added

@@ -139,12 +139,12 @@ def plan_choices(
     """n choices per prompt, numbered prompt by prompt. A field the request leaves out takes its
     value from `defaults` (the model's recommended settings). `default_max_tokens` None: fill the
     context; an explicit `max_tokens` that does not fit it is an error, a default is cut to fit."""
-    vocab = validator.vocab_size
+    vocab = validator.limits.vocab_size
     base = _params(req, 1 if max_tokens is None else max_tokens, logprobs, vocab, defaults)
     base = dataclasses.replace(base, prompt_logprobs=prompt_logprobs)
     if constraint is not None:
         base = dataclasses.replace(base, structured_outputs=constraint.params)
-    limit, n = validator.max_model_len, req.n or 1
+    limit, n = validator.limits.max_model_len, req.n or 1
     if len(prompts) * n > MAX_CHOICES:
         raise APIError(
             400, f"{len(prompts)} prompts x n={n} is over {MAX_CHOICES} completions", param="n"
