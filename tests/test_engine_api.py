@@ -2,6 +2,8 @@
 the context, and what the step loop hands back."""
 
 import logging
+import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -9,6 +11,7 @@ from tests.conftest import TINY_MAX_LEN
 from tinyllm.engine.config import EngineConfig
 from tinyllm.engine.engine import LLMEngine
 from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
+from tinyllm.engine.structured_output.params import StructuredOutputsParams
 
 
 def _engine(tiny, **kw) -> LLMEngine:
@@ -182,3 +185,65 @@ def test_a_step_of_prompt_chunks_only_never_runs_the_lm_head(tiny, monkeypatch):
     out = _drain(engine)["a"]
     assert len(out.token_ids) == 4
     assert rows == [1, 1, 1, 1]  # 11 tokens in chunks of 4: two steps without a row to sample
+
+
+def test_outputs_steps_until_nothing_is_left_and_shows_prefill_progress(tiny):
+    """outputs() yields each step's outputs while any request is unfinished, a request added
+    between two steps included; num_computed_tokens follows a prompt's prefill chunk by chunk."""
+    engine = _engine(tiny, max_num_batched_tokens=4)
+    engine.add_request(None, GREEDY, request_id="a", prompt_token_ids=list(range(2, 12)))
+    progress, done = [], {}
+    for outputs in engine.outputs():
+        progress.append(engine.num_computed_tokens("a"))
+        done |= {out.request_id: out for out in outputs if out.finished}
+        if len(progress) == 1:
+            engine.add_request(None, GREEDY, request_id="b", prompt_token_ids=[3, 4])
+    assert progress[:3] == [4, 8, 10] and progress[-1] is None  # 10 tokens in chunks of 4
+    assert sorted(done) == ["a", "b"] and not engine.has_unfinished()
+    assert list(engine.outputs()) == []
+
+
+def test_abort_all_ends_every_request_and_frees_every_block(tiny):
+    engine = _engine(tiny)
+    n = SamplingParams(max_tokens=20, temperature=1.0, n=3, ignore_eos=True)
+    engine.add_request(None, n, request_id="p", prompt_token_ids=[3, 4, 5])
+    engine.add_request(None, GREEDY, request_id="a", prompt_token_ids=[6, 7])
+    engine.step()
+    outs = engine.abort_all()
+    assert sorted(o.request_id for o in outs) == ["a", "p"]
+    assert {c.finish_reason for o in outs for c in o.outputs} == {"abort"}
+    assert engine.kv.pool.num_used == 0 and not engine.has_unfinished() and not engine.parents
+    assert engine.abort_all() == []
+
+
+def test_the_request_validator_refuses_what_add_request_refuses_from_another_thread(tiny):
+    engine = _engine(tiny)
+    validator = engine.request_validator()
+    assert validator.limits.max_model_len == TINY_MAX_LEN
+    assert validator.limits.vocab_size == engine.vocab_size
+    bad = [
+        ([], GREEDY),
+        ([5] * TINY_MAX_LEN, GREEDY),
+        ([3, 99], GREEDY),
+        ([3], SamplingParams(stop_token_ids=[64])),
+        ([3], SamplingParams(structured_outputs=StructuredOutputsParams(regex="(["))),
+    ]
+    with ThreadPoolExecutor(1) as pool:
+        for ids, params in bad:
+            with pytest.raises(ValueError) as from_engine:
+                engine.add_request(None, params, prompt_token_ids=ids)
+            with pytest.raises(ValueError, match=re.escape(str(from_engine.value))):
+                pool.submit(validator.validate, ids, params).result()
+    assert not engine.has_unfinished()
+    validator.validate([3, 4], GREEDY)  # a request that can run passes
+
+
+def test_with_config_is_a_fresh_engine_over_the_same_model(tiny):
+    engine = _engine(tiny, num_blocks=16)
+    engine.add_request(None, GREEDY, request_id="a", prompt_token_ids=[3, 4, 5, 6])
+    expected = _drain(engine)["a"].token_ids
+    other = engine.with_config(enable_prefix_caching=False)
+    assert other.stats().generation_tokens == 0 and other.kv.pool.num_blocks == 16
+    assert not other.kv.enable_prefix_caching and engine.kv.enable_prefix_caching
+    other.add_request(None, GREEDY, request_id="a", prompt_token_ids=[3, 4, 5, 6])
+    assert _drain(other)["a"].token_ids == expected

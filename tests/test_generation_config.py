@@ -15,8 +15,8 @@ from tinyllm.engine.engine import LLMEngine
 from tinyllm.entrypoints import cli
 from tinyllm.entrypoints import llm as llm_module
 from tinyllm.entrypoints.generation_config import default_sampling, model_recommendations
+from tinyllm.entrypoints.server.engine_requests import Prompt, plan_choices
 from tinyllm.entrypoints.server.protocol import CompletionRequest
-from tinyllm.entrypoints.server.sampling import Prompt, plan_choices
 
 HF_GENERATION_CONFIG = {
     "bos_token_id": 1,
@@ -128,6 +128,8 @@ def test_server_request_fields_win_and_the_rest_are_the_models(tiny):
     engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=16))
     defaults = _FakeLLM().get_default_sampling_params()
     req = CompletionRequest(prompt="t2 t3", temperature=1.0, top_k=5)
-    [choice] = plan_choices(engine, "cmpl-1", req, [Prompt([2, 3])], None, 30, None, defaults)
+    [choice] = plan_choices(
+        engine.request_validator(), "cmpl-1", req, [Prompt([2, 3])], None, 30, None, defaults
+    )
     expected = dataclasses.replace(defaults, temperature=1.0, top_k=5, max_tokens=30)
     assert dataclasses.replace(choice.params, output_kind=expected.output_kind) == expected

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.greedy import assert_greedy_close
 from tests.http_server import serving
 from tinyllm import SamplingParams
-from tinyllm.engine.engine import EngineStats
+from tinyllm.engine.engine import EngineStats, LLMEngine
 from tinyllm.entrypoints.server.app import create_app
 
 pytestmark = pytest.mark.slow
@@ -396,8 +396,10 @@ class _FailingEngine:
         self._engine, self._pending = engine, False
         self._stats = engine.stats()  # now, while no other thread drives the engine
 
-    def __getattr__(self, name):  # max_model_len, model, validate_prompt: read-only
+    def __getattr__(self, name):  # max_model_len, vocab_size, request_validator: read-only
         return getattr(self._engine, name)
+
+    outputs = LLMEngine.outputs  # runs this engine's has_unfinished() and step()
 
     def add_request(self, prompt, params, request_id=None, prompt_token_ids=None):
         self._pending = True
@@ -442,6 +444,8 @@ class _StumblingEngine:
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
+
+    outputs = LLMEngine.outputs  # runs this engine's step()
 
     def step(self):
         if self.stumble:

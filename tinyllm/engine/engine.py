@@ -16,8 +16,9 @@ import dataclasses
 import itertools
 import logging
 import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from llguidance import LLMatcher
 
@@ -26,15 +27,17 @@ from tinyllm.engine.output_processor import OutputProcessor, TokenUpdate
 from tinyllm.engine.outputs import RequestOutput
 from tinyllm.engine.parent_request import ParentRequest, ParentRequests, child_ids
 from tinyllm.engine.prompt_limits import PromptLimits
+from tinyllm.engine.request_validator import RequestValidator
 from tinyllm.engine.sampling_params import SamplingParams
 from tinyllm.engine.sched.kv_cache_sizing import build_kv_cache_manager
 from tinyllm.engine.sched.request import Request
 from tinyllm.engine.sched.scheduler import Scheduler
 from tinyllm.engine.spec_decode.speculator import SpecStats, Speculator
-from tinyllm.engine.structured_output.grammar import GrammarMasks
+from tinyllm.engine.structured_output.grammar import GrammarMasks, GrammarStats
 from tinyllm.engine.structured_output.manager import StructuredOutputManager
 from tinyllm.engine.worker.executor import Executor
 from tinyllm.engine.worker.model_runner import ModelRunner, RunnerSpec
+from tinyllm.model.config import ModelConfig
 from tinyllm.model.llama import Transformer
 from tinyllm.text.tokenizer import Tokenizer
 
@@ -44,6 +47,7 @@ if TYPE_CHECKING:  # torch.distributed's import is for tensor-parallel runs only
 log = logging.getLogger("tinyllm")
 
 _FAILED = "the engine failed on this request (see the server log)"
+T = TypeVar("T")
 
 
 @dataclass
@@ -243,6 +247,71 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; also done at exit)."""
         self.executor.close()
+
+    # -- what the entrypoints see ---------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """The logits' width: every token id is below it."""
+        return self.model.config.vocab_size
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The loaded model's architecture: layers, heads, sizes, vocabulary."""
+        return self.model.config
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """The most tokens one step runs: a longer prompt takes several steps to prefill."""
+        return self.config.max_num_batched_tokens
+
+    @property
+    def alive(self) -> bool:
+        """False once the engine cannot run another step (a tensor-parallel rank died, or the
+        ranks went out of step); step() then raises, saying why."""
+        return self.dead is None
+
+    def request_validator(self) -> RequestValidator:
+        """The checks add_request makes, as an object any thread may call while the engine
+        steps (its limits are copies, its grammar compiler is thread-safe)."""
+        return RequestValidator(self.limits, self.structured_output.compiler)
+
+    def outputs(self) -> Iterator[list[RequestOutput]]:
+        """Step while any request is unfinished, yielding each step's outputs. Requests added
+        or aborted between two steps are part of the run; it ends once none is left."""
+        while self.has_unfinished():
+            yield self.step()
+
+    def num_computed_tokens(self, request_id: str) -> int | None:
+        """How many of a request's tokens (its prompt first) the model has run: a long
+        prompt's prefill progress. None once it has finished (or for an unknown id)."""
+        request = self.requests.get(request_id)
+        return None if request is None else request.num_computed_tokens
+
+    def abort_all(self) -> list[RequestOutput]:
+        """Abort every request; their final outputs."""
+        outputs = [self.abort(request_id) for request_id in [*self.parents, *self.requests]]
+        return [out for out in outputs if out is not None]  # a parent's children went with it
+
+    def spec_stats(self) -> SpecStats | None:
+        """Speculative decoding's drafts and accepted tokens so far; None when it is off."""
+        return None if self.speculator is None else self.stats().spec_decode
+
+    def grammar_stats(self) -> GrammarStats:
+        """What constrained decoding has cost so far (a copy)."""
+        return dataclasses.replace(self.grammar_masks.stats)
+
+    def with_config(self, **changes: object) -> "LLMEngine":
+        """A fresh engine over this one's model and tensor-parallel workers, its config with
+        `changes`: its own KV cache, no requests, counters at zero. The workers build a fresh
+        runner for it, so this engine must not step again."""
+        config = dataclasses.replace(self.config, **changes)
+        return LLMEngine(self.model, self.tokenizer, config, self.workers)
+
+    def apply_model(self, fn: Callable[[Transformer], T]) -> T:
+        """`fn(model)`, for measurements of the loaded weights (their bytes, their format,
+        the device). Under tensor parallelism, rank 0's part. `fn` must not change the model."""
+        return fn(self.model)
 
     # -- one step -------------------------------------------------------------
 

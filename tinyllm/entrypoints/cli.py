@@ -143,15 +143,16 @@ def stream(llm, prompt_ids: list[int], params: SamplingParams, out=None):
     engine = llm.engine
     params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
     rid = engine.add_request(None, params, prompt_token_ids=prompt_ids)
-    request, bar = engine.requests[rid], None
-    if len(prompt_ids) > PREFILL_BAR_STEPS * engine.config.max_num_batched_tokens:
+    bar = None
+    if len(prompt_ids) > PREFILL_BAR_STEPS * engine.max_num_batched_tokens:
         bar = tqdm(total=len(prompt_ids), desc="prefill", unit="tok", leave=False)
     text, token_ids, final = [], [], None
-    while final is None:
-        outputs = engine.step()
+    for outputs in engine.outputs():
         if bar is not None:
-            bar.update(min(request.num_computed_tokens, bar.total) - bar.n)
-            if bar.n >= bar.total:
+            computed = engine.num_computed_tokens(rid)  # None: finished, its prefill or not
+            if computed is not None:
+                bar.update(min(computed, bar.total) - bar.n)
+            if computed is None or bar.n >= bar.total:
                 bar.close()
                 bar = None
         for o in outputs:
@@ -163,8 +164,8 @@ def stream(llm, prompt_ids: list[int], params: SamplingParams, out=None):
             token_ids += o.token_ids
             if o.finished:
                 final = o
-    if bar is not None:  # finished (an error) before its prefill did
-        bar.close()
+        if final is not None:
+            break
     if final.error:
         raise ValueError(final.error)
     completion = dataclasses.replace(final.outputs[0], text="".join(text), token_ids=token_ids)

@@ -201,8 +201,8 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=total, desc="requests", unit="req", disable=not use_tqdm)
         start, tokens0 = time.perf_counter(), self.engine.generation_tokens
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
+        for outputs in self.engine.outputs():
+            for out in outputs:
                 if out.finished:
                     done[out.request_id] = out
                     bar.update(1)

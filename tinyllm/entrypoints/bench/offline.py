@@ -45,6 +45,7 @@ from tinyllm.entrypoints.workloads import (
     check_workload,
     make_requests,
 )
+from tinyllm.model.config import ModelConfig
 from tinyllm.model.llama import Transformer
 from tinyllm.model.quant import describe_weights
 
@@ -52,11 +53,10 @@ if TYPE_CHECKING:
     from tinyllm.entrypoints.llm import LLM
 
 
-def workload_flops(model: Transformer, requests: list[Request]) -> float:
+def workload_flops(c: ModelConfig, requests: list[Request]) -> float:
     """FLOPs the workload needs, whatever the engine: 2 x params per token for the linear layers
     (every token but the last generated one passes through them), 2 x the LM head per generated
     token, and QK^T plus PV against each token's own context. Padding is not counted."""
-    c = model.config
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     per_layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
     layer_params = c.num_layers * per_layer
@@ -109,18 +109,14 @@ class EngineRun:
     ) -> None:
         self.engine, self.constraint, self.temperature = engine, constraint, temperature
         engine.add_request(warmup.prompt_token_ids, _params(2, constraint), "warmup")
-        while engine.has_unfinished():
-            engine.step()
+        for _ in engine.outputs():
+            pass
         engine.reset_prefix_cache()
         self._stats = engine.stats()
-        self._grammar = dataclasses.replace(self._grammar_stats)
+        self._grammar = engine.grammar_stats()
         self._spec = self._stats.spec_decode
         self.submitted: dict[str, float] = {}
         self.ttft: dict[str, float] = {}
-
-    @property
-    def _grammar_stats(self) -> GrammarStats:
-        return self.engine.grammar_masks.stats
 
     def add(self, request_id: str, request: Request) -> None:
         params = _params(request.max_tokens, self.constraint, request.ignore_eos, self.temperature)
@@ -128,8 +124,8 @@ class EngineRun:
         self.submitted[request_id] = time.perf_counter()
 
     def run(self, on_finished: Callable[[RequestOutput], None] = lambda out: None) -> None:
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
+        for outputs in self.engine.outputs():
+            for out in outputs:
                 if out.request_id not in self.ttft and out.token_ids:
                     self.ttft[out.request_id] = time.perf_counter() - self.submitted[out.request_id]
                 if out.finished:
@@ -144,14 +140,13 @@ class EngineRun:
     @property
     def spec(self) -> SpecStats | None:
         """Speculative decoding's drafts in this run; None when the engine has it off."""
-        if self.engine.speculator is None:
-            return None
-        return self.engine.stats().spec_decode - self._spec
+        now = self.engine.spec_stats()
+        return None if now is None else now - self._spec
 
     @property
     def grammar(self) -> GrammarStats | None:
         """Constrained decoding's cost in this run; None for an unconstrained one."""
-        return None if self.constraint is None else self._grammar_stats - self._grammar
+        return None if self.constraint is None else self.engine.grammar_stats() - self._grammar
 
 
 def run_tinyllm(
@@ -246,9 +241,8 @@ def fresh_engine(llm: "LLM", **changes: object) -> "LLM":
     did: on `offline` the first touch of ~600 MB of KV pages costs seconds. Tensor-parallel
     workers stay, and build a fresh runner too."""
     other = copy.copy(llm)
-    config = dataclasses.replace(llm.engine.config, **changes)
     engine, llm.engine = llm.engine, None
-    other.engine = LLMEngine(engine.model, llm.tokenizer, config, engine.workers)
+    other.engine = engine.with_config(**changes)
     return other
 
 
@@ -313,14 +307,17 @@ def run_bench(args: argparse.Namespace) -> None:
     max_concurrency = args.max_concurrency or workload.max_concurrency
     _phase(f"loading tinyllm ({args.model or 'the default model'})")
     llm = build_llm(args)
-    model = llm.engine.model
-    device = model.device
+    # Read now: a baseline's fresh engine replaces llm's, and the old one must go.
+    model_config = llm.engine.model_config
+    device = llm.engine.apply_model(lambda model: model.device)
+    weight_bytes = llm.engine.apply_model(weight_bytes_per_token)
+    weights = llm.engine.apply_model(describe_weights)
     hf = None
     if baseline == "transformers":
         _phase("loading the transformers baseline (same weights, fp32)")
         hf = load_transformers(args.model, device)
     requests = make_requests(
-        args.workload, model.config.vocab_size, args.seed, args.num_requests, llm.tokenizer
+        args.workload, model_config.vocab_size, args.seed, args.num_requests, llm.tokenizer
     )
     conversations = [requests[i : i + turns] for i in range(0, len(requests), turns)]
     _phase(f"measuring the machine: fp32 GEMM rate and copy bandwidth ({device.type})")
@@ -364,9 +361,9 @@ def run_bench(args: argparse.Namespace) -> None:
         workload=args.workload,
         seed=args.seed,
         runs=runs,
-        flops=workload_flops(model, sent),
-        weight_bytes=weight_bytes_per_token(model),
-        weights=describe_weights(model),
+        flops=workload_flops(model_config, sent),
+        weight_bytes=weight_bytes,
+        weights=weights,
         machine=machine,
         engine_args=engine_options(args),
         max_concurrency=max_concurrency if turns == 1 else None,

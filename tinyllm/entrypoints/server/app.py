@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from tinyllm import __version__
 from tinyllm.entrypoints.llm import LLM
 from tinyllm.entrypoints.server.engine_loop import EngineLoop
+from tinyllm.entrypoints.server.engine_requests import chat_prompt, encode
 from tinyllm.entrypoints.server.errors import APIError, BodyLimitMiddleware, install_error_handlers
 from tinyllm.entrypoints.server.metrics import ServerMetrics
 from tinyllm.entrypoints.server.protocol import (
@@ -26,7 +27,6 @@ from tinyllm.entrypoints.server.protocol import (
     ModelList,
     TokenizeRequest,
 )
-from tinyllm.entrypoints.server.sampling import chat_prompt, encode
 from tinyllm.entrypoints.server.serving import OpenAIServing
 from tinyllm.host.memory import resident_bytes
 
@@ -46,6 +46,8 @@ def create_app(
     metrics = ServerMetrics(engine.stats())
     engine_loop = EngineLoop(engine, metrics)
     serving = OpenAIServing(llm, engine_loop)
+    # Read now: once the loop runs, only its thread touches the engine.
+    max_model_len, vocab = engine.max_model_len, engine.vocab_size
     started = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -96,7 +98,7 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        card = ModelCard(id=llm.model_name, created=started, max_model_len=engine.max_model_len)
+        card = ModelCard(id=llm.model_name, created=started, max_model_len=max_model_len)
         return ModelList(data=[card])
 
     @app.post("/v1/completions")
@@ -122,12 +124,11 @@ def create_app(
                 chat_prompt, tokenizer, req.messages, req.add_generation_prompt, tools or None
             )
             tokens = prompt.token_ids
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict:
         serving.check_model(req.model)
-        vocab = engine.model.config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token id {bad[0]} is outside [0, {vocab})", param="tokens")

@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from tinyllm.engine.engine import LLMEngine
@@ -121,25 +122,36 @@ class EngineLoop:
 
     def _run(self) -> None:
         try:
-            while self._handle_commands(block=not self.engine.has_unfinished()):
-                outputs = self._step() if self.engine.has_unfinished() else []
-                # Metrics first: a client that got its last token sees them already counted.
-                self.metrics.record_stats(self.engine.stats())
-                self._deliver(outputs)
+            running = self._handle_commands(block=True)
+            while running:
+                # Commands run between steps; the engine's run goes on while it has work.
+                for outputs in self._steps():
+                    self._publish(outputs)
+                    running = self._handle_commands(block=False)
+                    if not running:
+                        break
+                else:  # idle: what the commands did (an abort, a refused add) shows in stats
+                    self._publish([])
+                    running = self._handle_commands(block=True)
         except Exception as e:
             log.exception("the engine loop died")
             self._shut_down(f"the engine loop died ({type(e).__name__}: {e})")
             return
-        for request_id in self._tracked:  # leave the engine clean for whoever owns it next
-            self.engine.abort(request_id)
+        self.engine.abort_all()  # leave the engine clean for whoever owns it next
         self._shut_down("the server is shutting down")
 
-    def _step(self) -> list[RequestOutput]:
-        """One engine step. The engine ends a request whose work fails with an error output;
-        an exception that still escapes (a fault outside any one request's work) fails every
-        request in the engine with a 500, and the server goes on serving new ones."""
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        # Metrics first: a client that got its last token sees them already counted.
+        self.metrics.record_stats(self.engine.stats())
+        self._deliver(outputs)
+
+    def _steps(self) -> Iterator[list[RequestOutput]]:
+        """The engine's steps while it has work. The engine ends a request whose work fails
+        with an error output; an exception that still escapes a step (a fault outside any one
+        request's work) fails every request in the engine with a 500 and ends this run, and
+        the server goes on serving new ones."""
         try:
-            return self.engine.step()
+            yield from self.engine.outputs()
         except Exception as e:
             log.exception(
                 "an engine step failed: failing the %d request(s) in it", len(self._tracked)
@@ -148,13 +160,11 @@ class EngineLoop:
             for tracked in self._tracked.values():
                 tracked.stream.put(error)
             self._tracked.clear()
-            for request_id in [*self.engine.parents, *self.engine.requests]:
-                self.engine.abort(request_id)
+            self.engine.abort_all()
             # The engine cannot step again (a tensor-parallel rank died), or its queues no
             # longer match its requests: the loop ends and /health says why.
-            if self.engine.dead is not None or self.engine.has_unfinished():
+            if not self.engine.alive or self.engine.has_unfinished():
                 raise
-            return []
 
     def _handle_commands(self, block: bool) -> bool:
         """Run the queued commands, waiting for one first when the engine is idle. False: stop."""

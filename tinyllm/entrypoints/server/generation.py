@@ -11,9 +11,9 @@ from pydantic import BaseModel
 
 from tinyllm.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tinyllm.entrypoints.server.engine_loop import EngineLoop
+from tinyllm.entrypoints.server.engine_requests import Choice, Prompt
 from tinyllm.entrypoints.server.errors import APIError
 from tinyllm.entrypoints.server.protocol import PromptTokensDetails, Usage
-from tinyllm.entrypoints.server.sampling import Choice, Prompt
 
 log = logging.getLogger("tinyllm.server")
 

@@ -12,6 +12,15 @@ from starlette.concurrency import run_in_threadpool
 from tinyllm.engine.outputs import TokenLogprob
 from tinyllm.entrypoints.llm import LLM
 from tinyllm.entrypoints.server.engine_loop import EngineLoop
+from tinyllm.entrypoints.server.engine_requests import (
+    Choice,
+    Constraint,
+    Prompt,
+    chat_prompt,
+    completion_prompts,
+    plan_choices,
+    request_constraint,
+)
 from tinyllm.entrypoints.server.errors import APIError
 from tinyllm.entrypoints.server.generation import Generation, sse
 from tinyllm.entrypoints.server.protocol import (
@@ -31,15 +40,6 @@ from tinyllm.entrypoints.server.protocol import (
     SamplingRequest,
     TopLogprob,
 )
-from tinyllm.entrypoints.server.sampling import (
-    Choice,
-    Constraint,
-    Prompt,
-    chat_prompt,
-    completion_prompts,
-    plan_choices,
-    request_constraint,
-)
 from tinyllm.entrypoints.server.tools import ToolDeltas, plan_tools, tool_message
 
 log = logging.getLogger("tinyllm.server")
@@ -49,8 +49,9 @@ COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat fills t
 
 class OpenAIServing:
     def __init__(self, llm: LLM, engine_loop: EngineLoop) -> None:
-        self.engine, self.tokenizer, self.model_name = llm.engine, llm.tokenizer, llm.model_name
-        self.loop = engine_loop
+        self.tokenizer, self.model_name = llm.tokenizer, llm.model_name
+        self.loop = engine_loop  # the engine itself only its thread touches
+        self.validator = llm.engine.request_validator()
         # A field a request leaves out: the model's recommended value (--generation-config
         # auto), else OpenAI's defaults, which SamplingParams' neutral values are.
         self.defaults = llm.get_default_sampling_params()
@@ -80,7 +81,7 @@ class OpenAIServing:
         constraint = request_constraint(req)
         prompts = await run_in_threadpool(completion_prompts, self.tokenizer, req.prompt)
         choices = plan_choices(
-            self.engine,
+            self.validator,
             request_id,
             req,
             prompts,
@@ -152,7 +153,7 @@ class OpenAIServing:
         )
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         choices = plan_choices(
-            self.engine,
+            self.validator,
             request_id,
             req,
             [prompt],

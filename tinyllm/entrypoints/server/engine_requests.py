@@ -1,13 +1,15 @@
 """From an OpenAI request to engine requests: prompt token ids and one SamplingParams per choice.
 
 Everything that can be wrong with a request is found here and answered with a 400, before the
-engine sees it: the engine thread is shared by every client.
+engine sees it: the engine thread is shared by every client. The checks run on the HTTP side,
+through the engine's RequestValidator (copies of its limits, a thread-safe grammar compiler),
+never through the engine itself.
 """
 
 import dataclasses
 from dataclasses import dataclass
 
-from tinyllm.engine.engine import LLMEngine
+from tinyllm.engine.request_validator import RequestValidator
 from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from tinyllm.engine.structured_output.params import StructuredOutputsParams
 from tinyllm.entrypoints.server.errors import APIError, invalid_params
@@ -122,7 +124,7 @@ def chat_prompt(
 
 
 def plan_choices(
-    engine: LLMEngine,
+    validator: RequestValidator,
     request_id: str,
     req: SamplingRequest,
     prompts: list[Prompt],
@@ -137,12 +139,12 @@ def plan_choices(
     """n choices per prompt, numbered prompt by prompt. A field the request leaves out takes its
     value from `defaults` (the model's recommended settings). `default_max_tokens` None: fill the
     context; an explicit `max_tokens` that does not fit it is an error, a default is cut to fit."""
-    vocab = engine.model.config.vocab_size
+    vocab = validator.limits.vocab_size
     base = _params(req, 1 if max_tokens is None else max_tokens, logprobs, vocab, defaults)
     base = dataclasses.replace(base, prompt_logprobs=prompt_logprobs)
     if constraint is not None:
         base = dataclasses.replace(base, structured_outputs=constraint.params)
-    limit, n = engine.max_model_len, req.n or 1
+    limit, n = validator.limits.max_model_len, req.n or 1
     if len(prompts) * n > MAX_CHOICES:
         raise APIError(
             400, f"{len(prompts)} prompts x n={n} is over {MAX_CHOICES} completions", param="n"
@@ -150,7 +152,7 @@ def plan_choices(
     choices = []
     for prompt in prompts:
         try:
-            engine.validate_prompt(prompt.token_ids, base)
+            validator.validate(prompt.token_ids, base)
         except ValueError as e:
             if str(e).startswith("SamplingParams."):  # a stop_token_ids or logit_bias id
                 raise invalid_params(e) from e
