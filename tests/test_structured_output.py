@@ -252,12 +252,12 @@ def test_a_schema_that_does_not_close_its_objects_gets_no_invented_keys(default_
 def test_a_constraint_that_does_not_compile_is_refused_before_it_runs(
     default_config_llm, constraint, message
 ):
-    """ValueError naming the field and the problem, from add_request and validate_prompt, with
-    nothing queued; the engine then serves the next request, n > 1 included."""
+    """ValueError naming the field and the problem, from add_request and the request validator,
+    with nothing queued; the engine then serves the next request, n > 1 included."""
     engine = default_config_llm.engine
     bad = SamplingParams(n=2, structured_outputs=StructuredOutputsParams(**constraint))
     with pytest.raises(ValueError, match=message):
-        engine.validate_prompt([1, 2, 3], bad)
+        engine.request_validator().validate([1, 2, 3], bad)
     with pytest.raises(ValueError, match=message):
         engine.add_request(None, bad, prompt_token_ids=[1, 2, 3])
     assert not engine.has_unfinished() and not engine.requests and not engine.parents

@@ -33,7 +33,7 @@ from tinyllm.engine.sched.kv_cache_sizing import build_kv_cache_manager
 from tinyllm.engine.sched.request import Request
 from tinyllm.engine.sched.scheduler import Scheduler
 from tinyllm.engine.spec_decode.speculator import SpecStats, Speculator
-from tinyllm.engine.structured_output.grammar import GrammarMasks, GrammarStats
+from tinyllm.engine.structured_output.grammar import GrammarStats
 from tinyllm.engine.structured_output.manager import StructuredOutputManager
 from tinyllm.engine.worker.executor import Executor
 from tinyllm.engine.worker.model_runner import ModelRunner, RunnerSpec
@@ -150,21 +150,7 @@ class LLMEngine:
         went out of step); None while it can."""
         return self.executor.dead
 
-    @property
-    def grammar_masks(self) -> GrammarMasks:
-        return self.structured_output.masks
-
-    @property
-    def generation_tokens(self) -> int:
-        return self.scheduler.generation_tokens
-
     # -- API ------------------------------------------------------------------
-
-    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """ValueError naming the problem if the request cannot run: the prompt's length and
-        ids, the ids in `params`, a structured output that does not compile."""
-        self.limits.check(prompt_token_ids, params)
-        self.structured_output.matcher(params)
 
     def add_request(
         self,
@@ -299,7 +285,7 @@ class LLMEngine:
 
     def grammar_stats(self) -> GrammarStats:
         """What constrained decoding has cost so far (a copy)."""
-        return dataclasses.replace(self.grammar_masks.stats)
+        return dataclasses.replace(self.structured_output.masks.stats)
 
     def with_config(self, **changes: object) -> "LLMEngine":
         """A fresh engine over this one's model and tensor-parallel workers, its config with

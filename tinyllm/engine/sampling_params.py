@@ -130,7 +130,7 @@ class SamplingParams:
         """Every field's type and range, checked here once so that nothing wrong reaches the
         engine: a ValueError naming the field, the value and the rule. None for stop,
         stop_token_ids or logit_bias means none, as in vLLM. Whether token ids are in the
-        vocabulary only the engine knows (LLMEngine.validate_prompt)."""
+        vocabulary only the engine knows (engine/prompt_limits.py)."""
         for name, rule in _RULES.items():
             rule.check(name, getattr(self, name))
         if self.top_k == -1:

@@ -200,13 +200,13 @@ class LLM:
     def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=total, desc="requests", unit="req", disable=not use_tqdm)
-        start, tokens0 = time.perf_counter(), self.engine.generation_tokens
+        start, tokens0 = time.perf_counter(), self.engine.stats().generation_tokens
         for outputs in self.engine.outputs():
             for out in outputs:
                 if out.finished:
                     done[out.request_id] = out
                     bar.update(1)
-            rate = (self.engine.generation_tokens - tokens0) / (time.perf_counter() - start)
+            rate = (self.engine.stats().generation_tokens - tokens0) / (time.perf_counter() - start)
             # Redrawn at tqdm's own pace (update(0) waits its mininterval), not every step:
             # a redraw a step costs a single stream a few percent.
             bar.set_postfix(tok_s=f"{rate:.1f}", refresh=False)
