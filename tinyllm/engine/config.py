@@ -14,7 +14,7 @@ class SpeculativeConfig:
     method "ngram" (prompt lookup) is the one there is."""
 
     # The defaults measured best on `tinyllm bench grounded` (docs/MEASUREMENTS.md,
-    # "Speculative decoding"): each draft a step verifies costs it 15-20% more on the default model.
+    # "Speculative decoding"): each draft a step verifies adds to its cost.
     num_speculative_tokens: int = 6
     method: str = "ngram"
     prompt_lookup_min: int = 1  # a sampled request's is at least 2 (spec_decode/speculator.py)

@@ -38,8 +38,8 @@ class LoadedModel:
 class _SkipInit(TorchFunctionMode):
     """Skips torch.nn.init's random initialization while the model is built on the meta
     device: its weights come from the file. There nn.Embedding's normal_ runs through torch's
-    Python decompositions, whose first use imports torch._dynamo and sympy: about 90 MB
-    resident, and seconds of loading, for values never used."""
+    Python decompositions, whose first use imports torch._dynamo and sympy: resident memory
+    and load time spent on values never used."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

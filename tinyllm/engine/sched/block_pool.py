@@ -5,8 +5,8 @@ by several), free and plain (it holds nothing worth keeping), or free and cached
 K/V of a full block that some request computed, findable by its hash until it is evicted).
 
 Allocation order:
-- Plain free blocks first, lowest id first, reused last in, first out (the founding design's
-  order: the most recently used block is the likeliest to be warm in the CPU's caches).
+- Plain free blocks first, lowest id first, reused last in, first out (the most recently used
+  block is the likeliest to be warm in the CPU's caches).
 - Then cached blocks are evicted, least recently used first: a block whose last reference went
   away longest ago is the least likely to be asked for again (a chat's next turn, a system prompt
   that is still in use come back soon). Blocks released together (one request's blocks, freed

@@ -1,6 +1,6 @@
 """Which KV blocks each request owns, and the prefix cache that lets requests share them.
 
-The analogy is virtual memory (the founding design, seed/paged_kv_cache.py):
+The analogy is virtual memory:
     block table = page table (a request's `block_ids`: logical block j -> physical block)
     block       = page (block_size tokens of K and V, every layer)
     token t     = (block_ids[t // block_size], t % block_size)

@@ -8,7 +8,7 @@ waiting request first matches the prefix cache: it shares the matched blocks and
 them. Every block is allocated here, before the forward pass. When a running request cannot
 get a block, the newest running request is preempted: its blocks are freed,
 `num_computed_tokens` goes back to 0 and it waits at the front of the queue to be recomputed
-(the founding design's policy), matching the cache again when it is readmitted (its own full
+(recompute, not swap), matching the cache again when it is readmitted (its own full
 blocks may still be there).
 
 The step leaves as a message of data (engine/step_message.py): what the runner lacks of each

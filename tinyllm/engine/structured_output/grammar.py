@@ -114,8 +114,7 @@ class StructuredOutputCompiler:
 
 # A mask is a bitmap, token 8k + b at bit b of byte k. Unpacked a byte at a time, through a
 # table indexed by the byte: what to add to its 8 tokens' logits (0 allowed, -inf not). A lookup
-# and an add are vectorized where masked_fill with a bool mask is not (5-6x slower on the CPU,
-# measured at 64 rows).
+# and an add are vectorized where masked_fill with a bool mask is not on the CPU.
 _BYTE_BIAS = torch.tensor(
     [[0.0 if byte >> bit & 1 else float("-inf") for bit in range(8)] for byte in range(256)]
 )
@@ -123,9 +122,8 @@ _BYTE_BIAS = torch.tensor(
 
 def forced_rows(bitmask: Tensor) -> int:
     """How many rows of a (rows, words) int32 bitmask allow exactly one token: one word set,
-    to a power of two. Looking at words, not bits: counting every row's bits through a table
-    of bytes cost 10-30% of `fill` (20-125 us a step at 49152 tokens and 1-8 rows, 0.3-1.2 ms
-    at 151936 tokens and 8 rows), this 9-40 us."""
+    to a power of two. Looking at words, not bits: a row's words are a few thousand, its bits
+    a vocabulary's worth (docs/MEASUREMENTS.md, "Structured output: what the masks cost")."""
     words = bitmask.numpy().view(np.uint32)
     one_word = np.count_nonzero(words, axis=1) == 1
     if not one_word.any():

@@ -235,11 +235,10 @@ def _phase(message: str) -> None:
 
 
 def fresh_engine(llm: "LLM", **changes: object) -> "LLM":
-    """The same model behind a fresh engine, its config with `changes` (the old one's KV memory
-    is let go first: two pools of the default 2 GiB need not fit at once). A baseline runs on
+    """The same model behind a fresh engine, its config with `changes`. A baseline runs on
     one, so that it too starts with a pool whose pages the OS has yet to map, as the first run
-    did: on `offline` the first touch of ~600 MB of KV pages costs seconds. Tensor-parallel
-    workers stay, and build a fresh runner too."""
+    did: the first touch of the KV pages is part of what a run costs. Tensor-parallel workers
+    stay, and build a fresh runner too."""
     other = copy.copy(llm)
     engine, llm.engine = llm.engine, None
     other.engine = engine.with_config(**changes)
