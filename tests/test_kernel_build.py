@@ -182,7 +182,7 @@ def test_two_installs_start_one_after_the_other_without_compiling(tmp_path):
         python = make_venv(tmp_path / name)
         subprocess.run(
             [sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps",
-             str(wheel)],
+             "--ignore-installed", str(wheel)],  # this environment's tinyllm stays
             check=True, capture_output=True, timeout=600,
         )  # fmt: skip
         pythons.append(python)

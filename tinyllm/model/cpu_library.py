@@ -168,8 +168,10 @@ def build(names: list[str], directory: Path) -> dict[str, str]:
                 errors[name] = error
                 continue
             link = [_compiler(), *map(str, objects[name]), f"-L{TORCH / 'lib'}", *LINK]
-            if error := _first_failure([pool.submit(_run, [*link, "-o", str(library)], running)]):
-                errors[name] = error
+            try:
+                _run([*link, "-o", str(library)], running)
+            except RuntimeError as e:
+                errors[name] = str(e)
                 continue
             os.replace(library, directory / library_file(name))
         return errors
