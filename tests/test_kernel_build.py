@@ -41,12 +41,10 @@ def start(python: str, env: dict[str, str], cwd: Path) -> tuple[list[Path], str]
 
 
 def environment(**changes: str | None) -> dict[str, str]:
-    env = {**os.environ, **{k: v for k, v in changes.items() if v is not None}}
-    for name in [k for k, v in changes.items() if v is None] + ["TINYLLM_CPU_LEVEL"] * (
-        "TINYLLM_CPU_LEVEL" not in changes
-    ):
-        env.pop(name, None)
-    return env
+    """This process's environment with `changes` (None: unset), without a forced level unless
+    `changes` names one."""
+    env = {k: v for k, v in os.environ.items() if k != "TINYLLM_CPU_LEVEL"} | changes
+    return {k: v for k, v in env.items() if v is not None}
 
 
 def runs(level: str) -> bool:
@@ -60,9 +58,8 @@ def test_a_lower_level_asked_for_loads_its_own_library(monkeypatch):
     above, which this CPU cannot run, loads this CPU's own, with the warning."""
     monkeypatch.delenv("TINYLLM_CPU_LEVEL", raising=False)
     own = cpu_library.level()
-    below = [level for level in list(cpu_library.LEVELS)[1:] if runs(level) and level != own]
-    lower = next((level for level in below if list(cpu_library.LEVELS).index(level) >
-                  list(cpu_library.LEVELS).index(own)), None)  # fmt: skip
+    order = list(cpu_library.LEVELS)  # best first
+    lower = next((level for level in order[order.index(own) + 1 :] if runs(level)), None)
     if lower is None:
         pytest.skip(f"this CPU's level, {own}, is the lowest")
     env = environment(PYTHONPATH=str(ROOT), TINYLLM_CPU_LEVEL=lower)

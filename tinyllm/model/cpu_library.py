@@ -47,7 +47,7 @@ HEADERS = [HERE / "fast_exp.h", HERE / "cpu_ops.h"]
 # The libraries installing the package builds, and where this install compiles a missing one.
 KERNELS = HERE / "kernels"
 TORCH = Path(torch.__file__).parent
-# The flags every level's compile and link share (the ones torch.utils.cpp_extension uses).
+# The flags every level's compile and link share: torch.utils.cpp_extension's, less Python's.
 COMPILE = ["-fPIC", "-std=c++20"]
 LINK = ["-shared", "-fopenmp", "-lc10", "-ltorch_cpu", "-ltorch"]
 # How long a process waits for another's build of the same library before building its own.
