@@ -150,8 +150,8 @@ def build(names: list[str], directory: Path) -> dict[str, str]:
     _remove_abandoned(directory)
     work = Path(tempfile.mkdtemp(prefix=f"build-{os.getpid()}-", dir=directory))
     running: set[subprocess.Popen] = set()
-    jobs = int(os.environ.get("MAX_JOBS") or len(os.sched_getaffinity(0)))
-    pool = ThreadPoolExecutor(max(1, jobs))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    pool = ThreadPoolExecutor(int(os.environ.get("MAX_JOBS") or cores or 1))  # macOS: no affinity
     try:
         objects, compiles = {}, {}
         for name in names:
