@@ -2,6 +2,7 @@
 embedding against transformers' own."""
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,59 +92,65 @@ def test_silu_and_mul(dtype):
     torch.testing.assert_close(out, layer_ops.silu_and_mul_torch(x), **tol(dtype))
 
 
-def test_a_compiler_without_amx_flags_still_builds_the_vnni_kernels(monkeypatch, caplog):
+@pytest.fixture
+def builds(monkeypatch, tmp_path):
+    """An install without libraries (its folder empty), whose builds `fail` names the levels of
+    (the compiler's output as the error) and whose loads are only recorded: the levels built,
+    then the libraries loaded."""
+    built, loaded, fail = [], [], {}
+
+    def build(names, directory):
+        errors = {name: fail[name] for name in names if name in fail}
+        for name in set(names) - set(errors):
+            built.append(name)
+            (directory / cpu_library.library_file(name)).touch()
+        return errors
+
+    monkeypatch.setattr(cpu_library, "KERNELS", tmp_path)
+    monkeypatch.setattr(cpu_library, "_build_directory", lambda: tmp_path)
+    monkeypatch.setattr(cpu_library, "build", build)
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: loaded.append(Path(path).name))
+    return built, loaded, fail
+
+
+def test_a_compiler_without_amx_flags_still_builds_the_vnni_kernels(builds, monkeypatch, caplog):
     """GCC before 11 rejects -mamx-tile: an AMX machine with such a compiler keeps the kernels,
     built one level down, and says why."""
-    import torch.utils.cpp_extension
-
-    built = []
-
-    def load(name, **kwargs):
-        if "-mamx-tile" in kwargs["extra_cflags"]:
-            raise RuntimeError("c++ ... -mamx-tile\nc++: error: unrecognized command-line option")
-        built.append(name)
-
+    built, loaded, fail = builds
+    fail["avx512amx"] = "c++ ... -mamx-tile\nc++: error: unrecognized command-line option"
     monkeypatch.setattr(cpu_library, "level", lambda: "avx512amx")
-    monkeypatch.setattr(cpu_library, "_is_built", lambda name: True)
-    monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
     with caplog.at_level("WARNING", logger="tinyllm"):
-        cpu_library._compile()
-    assert built == ["tinyllm_cpu_avx512vnni"]
+        cpu_library._load()
+    assert built == ["avx512vnni"]
+    assert loaded == [cpu_library.library_file("avx512vnni")]
     assert "did not build for avx512amx (c++: error: unrecognized command-line option)" in (
         caplog.text
     )
 
 
-def test_a_failed_build_below_amx_is_not_retried(monkeypatch):
-    import torch.utils.cpp_extension
-
-    def load(name, **kwargs):
-        raise RuntimeError("c++: error: something else")
-
+def test_a_failed_build_below_amx_is_not_retried(builds, monkeypatch):
+    built, loaded, fail = builds
+    fail["avx512vnni"] = "c++: error: something else"
     monkeypatch.setattr(cpu_library, "level", lambda: "avx512vnni")
-    monkeypatch.setattr(cpu_library, "_is_built", lambda name: True)
-    monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
     with pytest.raises(RuntimeError, match="something else"):
-        cpu_library._compile()
+        cpu_library._load()
+    assert built == loaded == []
 
 
-def test_a_first_build_says_so_before_it_starts_and_when_done(monkeypatch, caplog):
-    """Building takes 15 s to minutes, once per machine: a new user sees why start-up paused,
-    and for how long."""
-    import torch.utils.cpp_extension
-
-    monkeypatch.setattr(cpu_library, "_is_built", lambda name: False)
-    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kwargs: None)
+def test_a_first_build_says_so_before_it_starts_and_when_done(builds, caplog):
+    """Building takes 15 s to minutes, once per install that lacks the library: a user sees why
+    start-up paused, and for how long."""
+    built, loaded, _ = builds
     with caplog.at_level("WARNING", logger="tinyllm"):
-        cpu_library._compile()
+        cpu_library._load()
     start, done = caplog.messages
     files = len(cpu_library.SOURCES)
     assert start.startswith(f"compiling tinyllm's CPU kernels ({files} C++ files, for ")
-    assert "once per machine: 15 s, a few minutes on a busy machine" in start
+    assert "once: 15 s, a few minutes on a busy machine" in start
     level = cpu_library.level()
     assert re.fullmatch(rf"tinyllm's CPU kernels \({level}\) compiled in \d+\.\d s", done)
-    monkeypatch.setattr(cpu_library, "_is_built", lambda name: True)
     caplog.clear()
     with caplog.at_level("WARNING", logger="tinyllm"):
-        cpu_library._compile()
+        cpu_library._load()
     assert caplog.text == ""
+    assert built == [level] and loaded == [cpu_library.library_file(level)] * 2
