@@ -1,6 +1,7 @@
 """Builds tinyllm's C++ CPU kernels with the package (pyproject.toml holds everything else):
-one library per instruction-set level that the compiler takes, into tinyllm/model/kernels/,
-where tinyllm/model/cpu_library.py loads the one for the CPU's level."""
+one library per instruction-set level this CPU runs (cpu_library.install_levels) that the
+compiler takes, into tinyllm/model/kernels/, where tinyllm/model/cpu_library.py loads the one
+for the CPU's level."""
 
 import importlib.util
 import logging
@@ -69,6 +70,6 @@ def kernel(level: str) -> Extension:
 
 
 setup(
-    ext_modules=[kernel(level) for level in cpu_library.LEVELS],
+    ext_modules=[kernel(level) for level in cpu_library.install_levels()],
     cmdclass={"build_ext": BuildKernels},
 )

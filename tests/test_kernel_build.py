@@ -52,6 +52,18 @@ def runs(level: str) -> bool:
     return all(has.get(ext) for ext in cpu_library.NEEDS[level])
 
 
+def test_an_install_builds_the_levels_this_cpu_runs_or_all_when_asked(monkeypatch):
+    """What setup.py builds: this CPU's level and every one below it, which this CPU runs too;
+    TINYLLM_KERNEL_LEVELS=all adds the levels above, for a wheel to hand out."""
+    monkeypatch.delenv("TINYLLM_KERNEL_LEVELS", raising=False)
+    monkeypatch.delenv("TINYLLM_CPU_LEVEL", raising=False)
+    levels = cpu_library.install_levels()
+    assert cpu_library.level() in levels and "generic" in levels
+    assert levels == [level for level in cpu_library.LEVELS if runs(level)]
+    monkeypatch.setenv("TINYLLM_KERNEL_LEVELS", "all")
+    assert cpu_library.install_levels() == list(cpu_library.LEVELS)
+
+
 @pytest.mark.slow
 def test_a_lower_level_asked_for_loads_its_own_library(monkeypatch):
     """TINYLLM_CPU_LEVEL names a level below this CPU's: its library is the one in memory. A level
@@ -170,8 +182,8 @@ def test_two_installs_start_one_after_the_other_without_compiling(tmp_path):
     )  # fmt: skip
     (wheel,) = wheels.glob("tinyllm-*.whl")
     built = {Path(n).name for n in zipfile.ZipFile(wheel).namelist() if "tinyllm_cpu_" in n}
-    # Every level (AMX's flags need GCC 11 or later).
-    assert {cpu_library.library_file(level) for level in cpu_library.LEVELS} - built <= {
+    # Every level this CPU runs (AMX's flags need GCC 11 or later).
+    assert {cpu_library.library_file(level) for level in cpu_library.install_levels()} - built <= {
         cpu_library.library_file("avx512amx")
     }
     pythons = []

@@ -3,12 +3,13 @@ element-wise steps (layer_ops.cpp), linear layers on quantized weights (quant_li
 whole decoder layer from those (decoder_layer.cpp), one library registering torch.ops.tinyllm.*.
 
 Installing the package (`pip install .` or `pip install -e .`, through setup.py) compiles one
-library per instruction-set level into kernels/ beside this file; a process loads the one for
-its CPU's level (level()), so a wheel built on one machine runs on any machine of a lower level.
+library per instruction-set level this CPU runs (install_levels(); every level with
+TINYLLM_KERNEL_LEVELS=all) into kernels/ beside this file; a process loads the one for its CPU's
+level (level()), so a wheel built on one machine runs on any machine of a lower level.
 A library's file name carries a hash of its sources, flags and torch's version: a library built
 from other sources (an edited checkout) is never loaded. Where this install has no library for
 the level (a checkout used without installing, edited sources, an unusual platform), it is
-compiled at first use into the same folder (15 s, a few minutes on a busy machine), or into a
+compiled at first use into the same folder, or into a
 per-user cache folder of this install's own when the package's folder is read-only, under a lock
 that a dead process cannot hold. The ops run on torch's intra-op threads, so
 torch.set_num_threads applies. Where no library loads, callers fall back to torch.
@@ -122,6 +123,16 @@ def _detected() -> str:
     if cap == "AVX2":
         return "avx2vnni" if has.get("avx_vnni") else "avx2"
     return "generic"
+
+
+def install_levels() -> list[str]:
+    """The levels installing the package builds: those this CPU runs, so that what it builds
+    serves this machine and any of a lower level (a higher one compiles its own level at first
+    use), or, with TINYLLM_KERNEL_LEVELS=all, every level, for a wheel to hand out."""
+    if os.environ.get("TINYLLM_KERNEL_LEVELS") == "all":
+        return list(LEVELS)
+    has = torch.cpu.get_capabilities()
+    return [name for name in LEVELS if all(has.get(ext) for ext in NEEDS[name])]
 
 
 def build_flags(name: str) -> list[str]:
