@@ -1,9 +1,10 @@
 """The layers every decoder family shares: RMSNorm, rotary embedding tables (with Llama 3.1's
 and Phi-3's scalings), attention over the paged K/V cache, the gated MLP, and the stacking of
 Hugging Face's q/k/v and gate/up weights into one matrix product each. A family's file (llama.py)
-composes them into its decoder layer; their attribute names are Hugging Face's, so a state dict
-key such as `model.layers.0.self_attn.qkv_proj.weight` names the same tensor in every loader,
-in tensor-parallel sharding and in quantization.
+composes them into its decoder layer. Their attribute names are Hugging Face's (the stacked
+qkv_proj and gate_up_proj are vLLM's), so a state dict key such as
+`model.layers.0.self_attn.qkv_proj.weight` names the same tensor in every loader, in
+tensor-parallel sharding and in quantization.
 """
 
 import math

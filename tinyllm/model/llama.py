@@ -13,11 +13,11 @@ metadata. Under tensor parallelism the same model holds one rank's part (ModelCo
 model/tensor_parallel.apply_tp gives each layer the all-reduce it calls after o_proj and
 down_proj.
 
-A decoder layer runs as its modules, or as two C++ ops from the same kernels
-(model/decoder_layer.cpp): set once for the whole model (Transformer.set_layer_executor, with
-what model/layer_executor.py chooses), and a detail of DecoderLayer.forward. The ops' arguments
-besides the step's are the layer's AttentionArgs and MLPArgs, named as the ops' schemas name
-them and gathered once at load.
+A decoder layer runs as its modules or as two C++ ops from the same kernels
+(model/decoder_layer.cpp): which is set once for the whole model (Transformer.set_layer_executor,
+from model/layer_executor.py's choice) and is a detail inside DecoderLayer.forward. The ops'
+arguments besides the step's are the layer's AttentionArgs and MLPArgs, named as the ops'
+schemas name them and gathered once at load.
 """
 
 from collections.abc import Callable
