@@ -11,14 +11,14 @@ and world size; the split is loaders/sharding.py's, Megatron-LM's):
   (ModelConfig.shard).
 - o_proj and down_proj are row-parallel: a rank multiplies its share of their input columns,
   so its output is a partial sum of the layer's. apply_tp sets each decoder layer's
-  `all_reduce` hook to `reduce_in_rank_order` over `group`, which DecoderLayer.forward calls on
-  those outputs before the residual add, as modules or as C++ ops: every rank gathers every
-  rank's part and adds them in rank order, in fp32, rounding once to the activations' dtype.
-  So every rank holds the same bits, and a token's bits do not depend on what shares its step,
-  as without tensor parallelism (docs/INFERENCE.md, "The same request gives the same bits"):
-  gloo's all-reduce adds in an order that depends on the tensor's size (its chunks), and in
-  bf16 it rounds after each addition; a prefix-cache hit, which runs a shorter chunk, then gave
-  other logprobs than the full prompt.
+  `all_reduce` hook to `reduce_in_rank_order` over `group`, which DecoderLayer.forward calls,
+  as modules or as C++ ops, on those outputs before the residual add: every
+  rank gathers every rank's part and adds them in rank order, in fp32, rounding once to the
+  activations' dtype. So every rank holds the same bits, and a token's bits do not depend on
+  what shares its step, as without tensor parallelism (docs/INFERENCE.md, "The same request
+  gives the same bits"): gloo's all-reduce adds in an order that depends on the tensor's size
+  (its chunks), and in bf16 it rounds after each addition; a prefix-cache hit, which runs a
+  shorter chunk, then gave other logprobs than the full prompt.
 - The embeddings and the LM head are replicated, as the loader reads them (loaders/sharding.py
   says why: splitting them by vocabulary would save each rank vocab x hidden of memory but add
   an all-reduce of the embeddings and a gather of the logits to every step). Sampling happens
