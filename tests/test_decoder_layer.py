@@ -1,5 +1,5 @@
-"""A decoder layer as C++ ops (the "fused" layer executor: DecoderLayer.forward_fused,
-model/decoder_layer.cpp) against the model's own modules (the "modules" executor) on the same
+"""A decoder layer as C++ ops (the "fused" layer executor: model/decoder_layer.cpp, called by
+DecoderLayer.forward) against the model's own modules (the "modules" executor) on the same
 kernels, over engine-like steps: prefills, a prompt in two chunks, decodes after them, in each
 weight format and dtype and for each family's layer (Qwen2's q/k/v bias, Qwen3's per-head q/k
 norms, Mistral's sliding window). test_hf_loader compares both paths with transformers on whole
@@ -16,6 +16,7 @@ from tinyllm.engine.worker.model_runner import ModelRunner
 from tinyllm.model import llama
 from tinyllm.model.attention import get_backend
 from tinyllm.model.config import ModelConfig
+from tinyllm.model.layers import fuse_projections
 from tinyllm.model.quant import quantize_linears
 
 VOCAB, BLOCK = 96, 4
@@ -38,7 +39,7 @@ def _model(family: str, quantization: str, dtype: torch.dtype) -> llama.Transfor
         }
     with torch.device("meta"):
         model = llama.Transformer(cfg)
-    dense = quantize_linears(model, llama.fuse_projections(weights, 2), quantization, dtype)
+    dense = quantize_linears(model, fuse_projections(weights, 2), quantization, dtype)
     model.load_weights(dense)
     return model.eval()
 
@@ -103,8 +104,7 @@ def test_fused_layers_match_the_modules(family, quantization, dtype):
 def test_a_bad_weight_list_is_an_error_not_a_crash():
     model = _model("llama", "int4", torch.float32)
     layer = model.model.layers[0]
-    weights, *rest = layer.attention_args
-    layer.attention_args = (weights[:2], *rest)
+    layer.attention_args = layer.attention_args._replace(weights=layer.attention_args.weights[:2])
     kv = KVCacheManager(4, BLOCK)
     runner = ModelRunner(model, kv.num_blocks, BLOCK, get_backend("cpu", model.device), "fused")
     r = Request("0", PROMPTS[0], SamplingParams(max_tokens=1), 1, [], seed=0)

@@ -1,6 +1,6 @@
 """The layer executor: chosen once by the model runner (auto, or forced by layer_executor), logged
-with why, refused where "fused" cannot run, and obeyed by the model. test_decoder_layer checks
-that the two executors agree."""
+with why, refused where "fused" cannot run, set on the model and obeyed by its layers.
+test_decoder_layer checks that the two executors agree."""
 
 import logging
 
@@ -35,7 +35,7 @@ def _runner(model: llama.Transformer, backend: str, executor: str = "auto") -> M
 def test_auto_runs_fused_layers_on_the_cpu_backend(caplog):
     model = _model("llama", "int4", torch.float32)
     with caplog.at_level(logging.INFO, logger="tinyllm"):
-        assert _runner(model, "cpu").fused_layers
+        assert _runner(model, "cpu").model.layer_executor == "fused"
     assert "layer executor: fused (" in caplog.text
 
 
@@ -49,7 +49,7 @@ def test_auto_runs_fused_layers_on_the_cpu_backend(caplog):
 def test_auto_runs_modules_where_fused_cannot_run_and_fused_is_refused(backend, dtype, why, caplog):
     model = _model("llama", "none", dtype)
     with caplog.at_level(logging.INFO, logger="tinyllm"):
-        assert not _runner(model, backend).fused_layers
+        assert _runner(model, backend).model.layer_executor == "modules"
     assert f"layer executor: modules ({why}" in caplog.text
     with pytest.raises(ValueError, match=f"layer_executor='fused' cannot run here: {why}"):
         _runner(model, backend, "fused")
@@ -71,15 +71,23 @@ def test_an_unknown_executor_is_refused():
 @needs_library
 @pytest.mark.parametrize("executor", ["fused", "modules"])
 def test_the_model_runs_the_executor_the_runner_chose(executor, monkeypatch):
-    """Each executor's run never enters the other's code."""
+    """Each executor's run never enters the other's code: the fused one no forward of a layer's
+    modules (norms, attention, MLP, projections), the modules one no decoder op."""
     model = _model("llama", "int4", torch.float32)
     runner = _runner(model, "cpu", executor)
+    assert all(layer.fused == (executor == "fused") for layer in model.model.layers)
 
     def other(*args):
         raise AssertionError(f"{executor} ran the other executor's code")
 
-    other_path = "forward" if executor == "fused" else "forward_fused"
-    monkeypatch.setattr(llama.DecoderLayer, other_path, other)
+    if executor == "fused":
+        for layer in model.model.layers:
+            for module in layer.modules():
+                if module is not layer:
+                    monkeypatch.setattr(module, "forward", other)
+    else:
+        for op in ("decoder_attention", "decoder_mlp"):
+            monkeypatch.setattr(torch.ops.tinyllm, op, other)
     kv = KVCacheManager(runner.scratch, BLOCK)
     r = Request("0", PROMPTS[0], SamplingParams(max_tokens=1), 1, [], seed=0)
     assert kv.allocate(r, r.num_tokens)
@@ -87,12 +95,18 @@ def test_the_model_runs_the_executor_the_runner_chose(executor, monkeypatch):
     assert model(batch.input_ids, batch.positions, batch.ctx).shape == (7, 64)
 
 
+def test_set_layer_executor_takes_only_the_two_executors():
+    model = _model("llama", "none", torch.float32)
+    with pytest.raises(ValueError, match="layer executor 'auto': 'fused' or 'modules'"):
+        model.set_layer_executor("auto")
+
+
 @needs_library
 def test_the_engine_config_reaches_the_runner(tiny):
     model, tokenizer = tiny
-    assert LLMEngine(model, tokenizer, EngineConfig()).runner.fused_layers
+    assert LLMEngine(model, tokenizer, EngineConfig()).runner.model.layer_executor == "fused"
     config = EngineConfig(layer_executor="modules")
-    assert not LLMEngine(model, tokenizer, config).runner.fused_layers
+    assert LLMEngine(model, tokenizer, config).runner.model.layer_executor == "modules"
     config = EngineConfig(attention_backend="reference", layer_executor="fused")
     with pytest.raises(ValueError, match="'fused' cannot run here: the reference attention"):
         LLMEngine(model, tokenizer, config)

@@ -45,7 +45,7 @@ NEXT = [12, 90, 45]  # each prompt's decode step's token
 TOLERANCE = 2e-5
 
 
-def _context(kv_caches: list, seq_lens: list[int], query_lens: list[int], fused: bool):
+def _context(kv_caches: list, seq_lens: list[int], query_lens: list[int]):
     """One step of PROMPTS' sequences, decodes first, as the model runner lays it out: sequence
     r ends at seq_lens[r] tokens with query_lens[r] new ones and owns blocks 2r and 2r + 1."""
     tables = [[2 * r, 2 * r + 1] for r in range(len(seq_lens))]
@@ -63,19 +63,21 @@ def _context(kv_caches: list, seq_lens: list[int], query_lens: list[int], fused:
         seq_lens_cpu=seq_lens,
         query_lens_cpu=query_lens,
     )
-    return ForwardContext(meta, get_backend("cpu", CPU), kv_caches, fused)
+    return ForwardContext(meta, get_backend("cpu", CPU), kv_caches)
 
 
-def _logits(model: Transformer, fused: bool) -> list[torch.Tensor]:
-    """The logits of every position of PROMPTS' prefill, then of their decode step."""
+def _logits(model: Transformer, executor: str) -> list[torch.Tensor]:
+    """The logits of every position of PROMPTS' prefill, then of their decode step, with the
+    model's layers run by `executor`."""
+    model.set_layer_executor(executor)
     c = model.config  # a rank's: its KV cache holds its own KV heads
     shape = (2 * len(PROMPTS) + 1, BLOCK, c.num_kv_heads, c.head_dim)
     kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(c.num_layers)]
     lens = [len(p) for p in PROMPTS]
     ids, positions = [t for p in PROMPTS for t in p], [i for n in lens for i in range(n)]
-    prefill = _context(kv, lens, lens, fused)
+    prefill = _context(kv, lens, lens)
     out = [model.logits(model(torch.tensor(ids), torch.tensor(positions), prefill))]
-    decode = _context(kv, [n + 1 for n in lens], [1] * len(lens), fused)
+    decode = _context(kv, [n + 1 for n in lens], [1] * len(lens))
     out.append(model.logits(model(torch.tensor(NEXT), torch.tensor(lens), decode)))
     return out
 
@@ -89,7 +91,7 @@ def _variants(path: Path, rank: int, world_size: int) -> dict:
         if world_size > 1:
             apply_tp(model)
         for executor in EXECUTORS:
-            out[quantization, executor] = _logits(model, executor == "fused")
+            out[quantization, executor] = _logits(model, executor)
     return out
 
 

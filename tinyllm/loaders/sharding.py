@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from tinyllm.loaders.stored import StoredTensor, Weight
 from tinyllm.model.config import ModelConfig, ModelLoadError
-from tinyllm.model.llama import STACKED
+from tinyllm.model.layers import STACKED
 from tinyllm.model.quant import GROUP, cat_rows
 
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")

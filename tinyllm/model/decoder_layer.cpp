@@ -109,6 +109,8 @@ at::Tensor decoder_mlp(const at::Tensor& o, const at::Tensor& residual, at::Tens
 
 }  // namespace
 
+// The layer's own arguments, weights onwards, are llama.py's AttentionArgs and MLPArgs: the same
+// names in the same order (tests/test_fused_op_args.py checks).
 TORCH_LIBRARY_FRAGMENT(tinyllm, m) {
   m.def(
       "decoder_attention(Tensor? hidden, Tensor(a!) residual, Tensor positions, Tensor cos, "

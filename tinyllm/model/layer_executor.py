@@ -1,13 +1,13 @@
-"""Which code runs the decoder layers, chosen once when the model runner is built.
+"""How the decoder layers run, chosen once for the model (the model runner sets the choice with
+Transformer.set_layer_executor when it is built); DecoderLayer.forward follows it.
 
-- "fused": each layer as two C++ ops (model/decoder_layer.cpp, DecoderLayer.forward_fused), its
-  attention and its MLP, split where tensor parallelism all-reduces. At one decode row a
-  step's time is mostly calls, not arithmetic, and this path makes two per layer instead of
-  about twenty. The ops call the CPU attention backend's kernel themselves, so they run only
-  with that backend: on the CPU, with fp32 or bf16 activations, where tinyllm's C++ library
-  built (the backend exists only there).
-- "modules": DecoderLayer.forward, a module call per step: any device, backend and dtype. The
-  same kernels where the library built, so the tests use it as the fused ops' oracle.
+- "fused": each layer as two C++ ops (model/decoder_layer.cpp), its attention and its MLP, split
+  where tensor parallelism all-reduces. At one decode row a step's time is mostly calls, not
+  arithmetic, and this path makes two per layer instead of about twenty. The ops call the CPU
+  attention backend's kernel themselves, so they run only with that backend: on the CPU, with
+  fp32 or bf16 activations, where tinyllm's C++ library built (the backend exists only there).
+- "modules": the layer's modules, a call each per step: any device, backend and dtype. The same
+  kernels where the library built, so the tests use it as the fused ops' oracle.
 - "auto": "fused" where it can run, else "modules"; the log says which and why.
 
 vLLM has no such option (its layers are always modules, with custom ops inside): it is tinyllm's

@@ -11,8 +11,8 @@ and world size; the split is loaders/sharding.py's, Megatron-LM's):
   (ModelConfig.shard).
 - o_proj and down_proj are row-parallel: a rank multiplies its share of their input columns,
   so its output is a partial sum of the layer's. apply_tp sets each decoder layer's
-  `all_reduce` hook to `reduce_in_rank_order` over `group`, which both layer executors
-  (DecoderLayer.forward and forward_fused) call on those outputs before the residual add: every
+  `all_reduce` hook to `reduce_in_rank_order` over `group`, which DecoderLayer.forward calls,
+  as modules or as C++ ops, on those outputs before the residual add: every
   rank gathers every rank's part and adds them in rank order, in fp32, rounding once to the
   activations' dtype. So every rank holds the same bits, and a token's bits do not depend on
   what shares its step, as without tensor parallelism (docs/DESIGN.md, "The same request
@@ -23,7 +23,7 @@ and world size; the split is loaders/sharding.py's, Megatron-LM's):
   says why: splitting them by vocabulary would save each rank vocab x hidden of memory but add
   an all-reduce of the embeddings and a gather of the logits to every step). Sampling happens
   on rank 0 only; the other ranks' logits are the same and go unused.
-- Biases: o_proj and down_proj have none in these models (model/llama.py builds them without
+- Biases: o_proj and down_proj have none in these models (model/layers.py builds them without
   one, and the loader refuses a checkpoint that has one as an unexpected tensor), so nothing
   would be added once per rank where it should be added once. Qwen2's q/k/v biases are
   column-parallel: each rank adds its own heads' part.

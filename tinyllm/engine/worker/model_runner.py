@@ -102,12 +102,13 @@ class ModelRunner:
         layer_executor: str = "auto",
         samples: bool = True,
     ):
-        """`layer_executor`: how the layers run (tinyllm.model.layer_executor), decided here.
+        """`layer_executor`: how the model's layers run (tinyllm.model.layer_executor), chosen
+        here and set on the model.
         `samples`: False on a tensor-parallel rank other than 0, which runs the layers with the
         others but leaves the LM head and sampling to rank 0."""
         self.model, self.backend, self.block_size = model, backend, block_size
         self.samples = samples
-        self.fused_layers = choose_layer_executor(layer_executor, model, backend) == "fused"
+        model.set_layer_executor(choose_layer_executor(layer_executor, model, backend))
         c = model.config
         self.device = model.device
         self.scratch = num_blocks
@@ -233,7 +234,7 @@ class ModelRunner:
             rows=rows,
             input_ids=self._tensor(ids),
             positions=self._tensor(positions),
-            ctx=ForwardContext(meta, self.backend, self.kv_caches, self.fused_layers),
+            ctx=ForwardContext(meta, self.backend, self.kv_caches),
             sampling=sampling,
             drafts=drafts,
             logits_indices=self._tensor(last),

@@ -74,11 +74,8 @@ class AttentionBackend:
 @dataclass
 class ForwardContext:
     """What a forward pass needs besides token ids and positions: the step's metadata, the
-    backend, each layer's (K, V) cache and how the layers run. The model runner owns the caches,
-    chooses the layer executor once (tinyllm.model.layer_executor) and builds this."""
+    backend and each layer's (K, V) cache. The model runner owns the caches and builds this."""
 
     meta: AttentionMetadata
     backend: AttentionBackend
     kv_caches: list[tuple[Tensor, Tensor]]
-    # Each layer as C++ ops (DecoderLayer.forward_fused), else as modules (DecoderLayer.forward)
-    fused_layers: bool = False

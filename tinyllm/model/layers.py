@@ -1,0 +1,156 @@
+"""The layers every decoder family shares: RMSNorm, rotary embedding tables (with Llama 3.1's
+and Phi-3's scalings), attention over the paged K/V cache, the gated MLP, and the stacking of
+Hugging Face's q/k/v and gate/up weights into one matrix product each. A family's file (llama.py)
+composes them into its decoder layer. Their attribute names are Hugging Face's (the stacked
+qkv_proj and gate_up_proj are vLLM's), so a state dict key such as
+`model.layers.0.self_attn.qkv_proj.weight` names the same tensor in every loader, in
+tensor-parallel sharding and in quantization.
+"""
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from tinyllm.model import layer_ops
+from tinyllm.model.attention import ForwardContext
+from tinyllm.model.config import ModelConfig
+from tinyllm.model.quant import QuantLinear, cat_rows
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor, residual: Tensor | None = None):
+        """The norm of x, or with `residual` the norm of x + residual and that sum: the residual
+        add fused into the norm (see layer_ops.rms_norm)."""
+        return layer_ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+def _llama3_inv_freq(inv_freq: Tensor, scaling: dict) -> Tensor:
+    """Llama 3.1's frequency-dependent RoPE scaling (long wavelengths stretched by `factor`)."""
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_ctx = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+    return torch.where(mid, scaled, out)
+
+
+def _longrope_inv_freq(inv_freq: Tensor, scaling: dict, context: int) -> Tensor:
+    """Phi-3's LongRoPE: each frequency divided by its own factor, the long ones where the context
+    served (max_model_len) exceeds the pretrained one. Chosen once, as vLLM and llama.cpp choose,
+    not per sequence as transformers does: keys cached at one choice stay valid for the whole
+    context, and outputs do not depend on what else is in the batch."""
+    long = context > scaling["original_max_position_embeddings"]
+    factors = scaling["long_factor" if long else "short_factor"]
+    return inv_freq / torch.tensor(factors, dtype=torch.float64)
+
+
+class Rope:
+    """Rotary embedding tables: cos and sin of each position's angles, (positions, rotary dims /
+    2) in fp32, for layer_ops.rotary. `context`: the longest sequence served (max_model_len;
+    None: the model's context), which picks LongRoPE's factors."""
+
+    def __init__(
+        self, config: ModelConfig, device: torch.device | str = "cpu", context: int | None = None
+    ):
+        d = config.rotary_dim or config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        scaling = config.rope_scaling or {}
+        kind = scaling.get("rope_type", scaling.get("type"))
+        # LongRoPE scales q and k by a factor each, so attention logits by its square.
+        attention_factor = scaling.get("attention_factor", 1.0)
+        if kind == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif kind == "linear":
+            inv_freq = inv_freq / scaling["factor"]
+        elif kind == "longrope":
+            context = context or config.max_position_embeddings
+            inv_freq = _longrope_inv_freq(inv_freq, scaling, context)
+        elif kind not in (None, "default"):
+            raise ValueError(
+                f"unsupported rope scaling {kind!r}: tinyllm supports llama3, linear, longrope"
+            )
+        n = config.max_position_embeddings
+        freqs = torch.outer(torch.arange(n, dtype=torch.float64), inv_freq)
+        self.cos = (freqs.cos() * attention_factor).float().to(device)
+        self.sin = (freqs.sin() * attention_factor).float().to(device)
+
+
+class Attention(nn.Module):
+    """Self-attention of layer `layer`: qkv_proj, Qwen3's per-head q/k norms where the config has
+    them, rotary, the backend's attention over the layer's paged K/V cache, o_proj."""
+
+    def __init__(self, c: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.scale = c.head_dim**-0.5
+        self.window = c.layer_window(layer)  # its sliding window; None: the whole context
+        # q, k and v as one matrix product (fuse_projections stacks Hugging Face's three).
+        width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        self.qkv_proj = nn.Linear(c.hidden_size, width, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: Tensor, positions: Tensor, rope: Rope, ctx: ForwardContext) -> Tensor:
+        N, H, KV, D = x.shape[0], self.n_heads, self.n_kv, self.head_dim
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.view(N, H + 2 * KV, D).split([H, KV, KV], dim=1)
+        if self.q_norm is not None:  # Qwen3: per head, before the rotation
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
+        layer_ops.rotary(qkv, positions, rope.cos, rope.sin, H + KV, D)
+        k_cache, v_cache = ctx.kv_caches[self.layer]
+        out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale, self.window)
+        return self.o_proj(out.reshape(N, -1))
+
+
+class MLP(nn.Module):
+    """The gated MLP: down_proj(silu(gate_proj(x)) * up_proj(x)), gate and up as one product."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        # gate and up as one matrix product (fuse_projections stacks them).
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(layer_ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+def op_weight(linear: nn.Module) -> Tensor:
+    """A projection's weight as the C++ ops take it: dense, or QuantLinear's packed records."""
+    return linear.packed if isinstance(linear, QuantLinear) else linear.weight
+
+
+# The model's stacked projections, each with Hugging Face's ones it stacks, in order.
+STACKED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def fuse_projections(state_dict: dict, num_layers: int) -> dict:
+    """Hugging Face's separate q/k/v and gate/up weights (and biases) stacked into the model's
+    qkv_proj and gate_up_proj; a state dict that has them stacked already is returned as is."""
+    fused = dict(state_dict)
+    for i in range(num_layers):
+        for own, parts in STACKED.items():
+            for kind in ("weight", "bias"):
+                names = [f"model.layers.{i}.{part}.{kind}" for part in parts]
+                if all(n in fused for n in names):
+                    stacked = cat_rows([fused.pop(n) for n in names])
+                    fused[f"model.layers.{i}.{own}.{kind}"] = stacked
+    return fused
