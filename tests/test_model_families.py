@@ -325,3 +325,12 @@ def test_phi3_configs_of_either_layout_agree(tmp_path: Path) -> None:
     (tmp_path / "old" / "config.json").write_text(json.dumps(old))
     assert hf_config(tmp_path / "old") == hf_config(tmp_path / "new")
     assert hf_config(tmp_path / "old").rope_scaling["rope_type"] == "longrope"
+
+
+def test_every_supported_architecture_has_its_model_class():
+    """The loader builds each supported architecture through model/families.py: none missing,
+    none that the config would refuse."""
+    from tinyllm.model.config import SUPPORTED_ARCHITECTURES
+    from tinyllm.model.families import MODEL_CLASSES
+
+    assert sorted(MODEL_CLASSES) == sorted(SUPPORTED_ARCHITECTURES)

@@ -18,6 +18,7 @@ from tinyllm.loaders.gguf import PROGRESS_BYTES
 from tinyllm.loaders.load_config import LoadConfig
 from tinyllm.loaders.sharding import Shard, read_shard
 from tinyllm.loaders.source import open_checkpoint, open_model
+from tinyllm.model.families import build_model
 from tinyllm.model.llama import Transformer
 from tinyllm.model.precision import resolve_dtype, resolve_quantization
 from tinyllm.model.quant import describe_weights, quantize_linears
@@ -66,7 +67,7 @@ def load_model(
     else:
         checkpoint = open_checkpoint(config.model, dtype, quantized, files)
     with torch.device("meta"), _SkipInit():
-        net = Transformer(checkpoint.config.shard(world_size))
+        net = build_model(checkpoint.config.shard(world_size))
     names = [name for name, _ in net.named_parameters(remove_duplicate=False)]
     params = sum(t.numel() for t in checkpoint.tensors.values())
     reader = files.reader if files else None

@@ -3,8 +3,7 @@
 //
 // At one decode row of a small model, a step's time is mostly not arithmetic: each of a layer's
 // ten or so ops costs a Python module call, a trip through torch's dispatcher and a fresh
-// tensor, about 5 us each: for the default model's 30 layers in 4 bits, 2 of the 5.3 ms that
-// the forward pass took.
+// tensor (docs/MEASUREMENTS.md, "The decoder layer as C++ ops").
 //
 // The layer is split where tensor parallelism all-reduces: each op returns its last
 // projection's output (o_proj's, down_proj's) before it is added to the residual stream, so a

@@ -1,0 +1,20 @@
+"""Which model class runs each supported architecture: a new family adds its file of layers and
+its line here (and its name to model/config.py's SUPPORTED_ARCHITECTURES)."""
+
+from torch import nn
+
+from tinyllm.model.config import ModelConfig
+from tinyllm.model.llama import Transformer
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "llama": Transformer,
+    "mistral": Transformer,
+    "qwen2": Transformer,
+    "qwen3": Transformer,
+    "phi3": Transformer,
+}
+
+
+def build_model(config: ModelConfig) -> Transformer:
+    """The model for `config`'s architecture, its weights not yet loaded."""
+    return MODEL_CLASSES[config.architecture](config)
