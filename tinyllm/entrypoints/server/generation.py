@@ -1,6 +1,7 @@
 """One HTTP request's engine requests, from submission to the last output, and its SSE stream."""
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -52,9 +53,17 @@ class Generation:
     in the engine (so a client that went away frees its KV blocks at once) and logs the line."""
 
     def __init__(
-        self, loop: EngineLoop, request_id: str, prompts: list[Prompt], choices: list[Choice]
+        self,
+        loop: EngineLoop,
+        request_id: str,
+        prompts: list[Prompt],
+        choices: list[Choice],
+        score_only: bool = False,
     ) -> None:
+        """`score_only`: the prompt is all the client asked for (echo with max_tokens 0); the
+        token the engine samples after it is dropped from every output."""
         self.request_id, self.prompts, self.choices = request_id, prompts, choices
+        self._score_only = score_only
         self._loop = loop
         self._by_key = {(c.request_id, c.completion): c for c in choices}
         self.results = {c.index: ChoiceResult() for c in choices}
@@ -82,6 +91,8 @@ class Generation:
             for completion in out.outputs:
                 if completion.finish_reason == "error":
                     raise APIError(500, out.error or "the engine failed on this request")
+                if self._score_only:
+                    completion = _without_tokens(completion)
                 choice = self._by_key[(out.request_id, completion.index)]
                 self.results[choice.index].add(completion, out)
                 batch.append((choice, completion))
@@ -144,6 +155,19 @@ class Generation:
             time.perf_counter() - self._start,
             f", aborted {len(self._unfinished)} unfinished" if self._unfinished else "",
         )
+
+
+def _without_tokens(out: CompletionOutput) -> CompletionOutput:
+    """`out` with no generated tokens: the answer ends at the prompt ("length", as OpenAI says)."""
+    reason = "length" if out.finish_reason in ("stop", "length") else out.finish_reason
+    return dataclasses.replace(
+        out,
+        text="",
+        token_ids=[],
+        logprobs=None if out.logprobs is None else [],
+        finish_reason=reason,
+        stop_reason=None,
+    )
 
 
 def _event(data: BaseModel | dict) -> str:
