@@ -73,6 +73,7 @@ class Generation:
         self._start = time.perf_counter()
         self._stream = loop.submit(list(requests.values()))
         self._closed = False
+        self._error: APIError | None = None  # what ended it early, for the log
         # Logged before it runs: if the process dies in native code, the log says what it ran.
         log.info(
             "%s: started, %s prompt token(s), %d choice(s), max_tokens %d",
@@ -85,12 +86,18 @@ class Generation:
     async def _next(self) -> list[tuple[Choice, CompletionOutput]]:
         """The deltas that arrived, in order, each added to its choice's result."""
         batch = []
-        for out in await self._stream.get():
+        try:
+            outputs = await self._stream.get()
+        except APIError as e:
+            self._error = e
+            raise
+        for out in outputs:
             if out.finished:
                 self._unfinished.discard(out.request_id)
             for completion in out.outputs:
                 if completion.finish_reason == "error":
-                    raise APIError(500, out.error or "the engine failed on this request")
+                    self._error = APIError(500, out.error or "the engine failed on this request")
+                    raise self._error
                 if self._score_only:
                     completion = _without_tokens(completion)
                 choice = self._by_key[(out.request_id, completion.index)]
@@ -144,6 +151,8 @@ class Generation:
         if self._unfinished:
             self._loop.abort(list(self._unfinished))
         reasons = sorted({r.finish_reason for r in self.results.values() if r.finish_reason})
+        if self._error is not None:
+            reasons.append(f"error {self._error.status} ({self._error.message})")
         usage = self.usage()
         log.info(
             "%s: %d choice(s), %d prompt + %d completion tokens, %s in %.2fs%s",
@@ -151,7 +160,7 @@ class Generation:
             len(self.choices),
             usage.prompt_tokens,
             usage.completion_tokens,
-            "/".join(reasons) or "no output",
+            "/".join(reasons) or "ended early",
             time.perf_counter() - self._start,
             f", aborted {len(self._unfinished)} unfinished" if self._unfinished else "",
         )
