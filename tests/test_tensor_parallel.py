@@ -180,10 +180,16 @@ def test_the_command_line_runs_it():
     assert "(rank 0 of 3's part)" in r.stderr
 
 
-def test_ctrl_c_ends_the_live_streams_of_tinyllm_serve_tp2(tmp_path):
-    """Stopping the server while clients stream: each stream ends with an error event in
-    OpenAI's shape and [DONE], the log says what each streamed and one line about the
-    shutdown, with no traceback and no leaked semaphore from the workers."""
+@pytest.mark.parametrize(
+    ("sig", "group", "exit_code"),
+    [(signal.SIGINT, True, 130), (signal.SIGTERM, False, -signal.SIGTERM)],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_stopping_tinyllm_serve_tp2_ends_its_live_streams(tmp_path, sig, group, exit_code):
+    """Stopping the server while clients stream (Ctrl-C at a terminal reaches every process,
+    a SIGTERM rank 0 alone): each stream ends with an error event in OpenAI's shape and
+    [DONE], the log says what each streamed and one line about the shutdown, with no
+    traceback; the workers take rank 0's stop, and leak no semaphore."""
     from tests.test_dummy_weights import TINY
 
     config = tmp_path / "config.json"
@@ -208,11 +214,14 @@ def test_ctrl_c_ends_the_live_streams_of_tinyllm_serve_tp2(tmp_path):
             while len(streamed) < 3:  # both streams are live
                 streamed.append(next(lines))
             next(iter(sdk))
-            os.killpg(proc.pid, signal.SIGINT)
+            if group:
+                os.killpg(proc.pid, sig)
+            else:
+                proc.send_signal(sig)
             rest = [line for line in lines if line]
         with pytest.raises(openai.APIError, match="the server is shutting down"):
             list(sdk)
-        assert proc.wait(60) == 130  # as Ctrl-C ends a command
+        assert proc.wait(60) == exit_code  # as the signal ends a command
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -225,3 +234,4 @@ def test_ctrl_c_ends_the_live_streams_of_tinyllm_serve_tp2(tmp_path):
     ends = re.findall(r"\+ (\d+) completion tokens, error 503 \(.*shutting down\)", log)
     assert len(ends) == 2 and all(int(n) > 0 for n in ends), log
     assert "Traceback" not in log and "leaked semaphore" not in log, log
+    assert "lost rank 0" not in log, log  # a worker that did not get the stop

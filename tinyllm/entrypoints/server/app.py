@@ -7,7 +7,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
@@ -144,12 +144,21 @@ class Server(uvicorn.Server):
     """uvicorn's server for an app from create_app. On shutdown (Ctrl-C, SIGTERM) uvicorn waits
     for open responses, then cancels them: a stream would be cut with no end. The engine loop
     stops first instead, so every request still running ends with an error in OpenAI's shape
-    (a stream: an error event, then [DONE]) and the wait is short."""
+    (a stream: an error event, then [DONE]) and the wait is short. `close` (the LLM's, when
+    the server owns it) runs once the app is down: uvicorn then raises a SIGTERM it caught
+    again, which ends the process at once, before any `finally` or atexit could stop the
+    tensor-parallel workers."""
+
+    def __init__(self, config: uvicorn.Config, close: Callable[[], None] | None = None) -> None:
+        super().__init__(config)
+        self._close = close
 
     async def shutdown(self, sockets: list | None = None) -> None:
         app = self.config.app
         await asyncio.to_thread(app.state.engine_loop.stop)
         await super().shutdown(sockets)
+        if self._close is not None:
+            await asyncio.to_thread(self._close)
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -185,6 +194,6 @@ def serve(args: argparse.Namespace) -> None:
         timeout_graceful_shutdown=5,
     )
     try:
-        Server(config).run()
+        Server(config, llm.close).run()
     finally:
         llm.close()
