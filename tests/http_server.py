@@ -8,13 +8,13 @@ from collections.abc import Iterator
 import openai
 import uvicorn
 
-from tinyllm.entrypoints.server.app import create_app
+from tinyllm.entrypoints.server.app import Server, create_app
 
 
 @contextlib.contextmanager
 def serving(app) -> Iterator[str]:
     """Run `app` under uvicorn on 127.0.0.1 in a thread; yields its base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    server = Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -1,11 +1,14 @@
 """--load-format dummy: a model from a config alone, with random weights in its run format."""
 
 import json
+import re
 
+import httpx
 import pytest
 import torch
 
 from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.engine.structured_output.params import StructuredOutputsParams
 from tinyllm.loaders.dummy import dummy_config, dummy_weights, named_configs, parameter_count
 from tinyllm.model.config import ModelLoadError, UnsupportedModelError
 from tinyllm.model.quant import GroupQuantized, describe_weights
@@ -183,3 +186,50 @@ def test_an_unknown_load_format_is_refused_before_loading():
 
     with pytest.raises(ValueError, match="load_format='pt': choose auto or dummy"):
         LLM(load_format="pt")
+
+
+@pytest.fixture(scope="module")
+def dummy_llm(tiny_config):
+    from tinyllm import LLM
+
+    return LLM(tiny_config, load_format="dummy", dtype="float32", num_blocks=32, max_num_seqs=4)
+
+
+def test_structured_output_with_dummy_weights_says_they_have_no_tokenizer(dummy_llm):
+    """A grammar is over text, which dummy weights lack: the error says so, nothing is queued."""
+    constrained = SamplingParams(
+        max_tokens=3, structured_outputs=StructuredOutputsParams(regex="a+")
+    )
+    with pytest.raises(ValueError, match=r"dummy.*without a tokenizer.*structured output"):
+        dummy_llm.generate([[5, 17], [42, 7]], [SamplingParams(max_tokens=3), constrained])
+    assert not dummy_llm.engine.has_unfinished()
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    with pytest.raises(ValueError, match="without a tokenizer"):
+        dummy_llm.chat([{"role": "user", "content": "hi"}], tools=tools)
+    assert len(_greedy(dummy_llm)) == 5  # it goes on serving token ids
+
+
+def test_the_server_refuses_structured_output_with_dummy_weights_naming_why(dummy_llm):
+    from tests.http_server import serving
+    from tinyllm.entrypoints.server.app import create_app
+
+    with serving(create_app(dummy_llm)) as url:
+        body = {"prompt": [5, 17], "max_tokens": 3, "response_format": {"type": "json_object"}}
+        r = httpx.post(f"{url}/v1/completions", json=body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "response_format"
+        assert re.search(r"dummy.*without a tokenizer.*structured output", error["message"])
+        body = {"prompt": [5, 17], "structured_outputs": {"choice": ["a", "b"]}}
+        r = httpx.post(f"{url}/v1/completions", json=body)
+        assert r.status_code == 400 and "without a tokenizer" in r.text, r.text
+        r = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+            },
+        )
+        assert r.status_code == 400 and "without a tokenizer" in r.text, r.text
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 17], "max_tokens": 2})
+        assert r.status_code == 200, r.text

@@ -237,6 +237,31 @@ def test_echo_with_logprobs_scores_the_prompt(client, llm, offline, stream):
     ]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, offline, stream):
+    """What lm-eval sends to score a prompt: echo, logprobs and max_tokens 0 give the prompt
+    with its tokens' logprobs and no completion, as OpenAI's API does."""
+    ref = offline.echo
+    r = client.completions.create(
+        model=client.model,
+        prompt=PROMPTS[1],
+        max_tokens=0,
+        logprobs=2,
+        echo=True,
+        stream=stream,
+        **({"stream_options": {"include_usage": True}} if stream else {}),
+    )
+    chunks = list(r) if stream else [r]
+    choices = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(c.text for c in choices) == PROMPTS[1]
+    values = [v for c in choices if c.logprobs for v in c.logprobs.token_logprobs]
+    assert values == [None] + [lp.logprob for lp in ref.prompt_logprobs[1:]]
+    assert [c.finish_reason for c in choices if c.finish_reason] == ["length"]
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == 0
+    assert usage.prompt_tokens == usage.total_tokens == len(ref.prompt_token_ids)
+
+
 def test_logprobs_shapes(client, offline):
     ref = offline.long[0]
     r = client.completions.create(

@@ -216,6 +216,24 @@ def test_bad_request(base_url, case):
     good_request_succeeds(base_url)
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param", "message"),
+    [
+        (COMPLETION, {"stop": [str(i) for i in range(17)]}, "stop", "at most 16 stop strings"),
+        (CHAT, {"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens=0"),
+        (CHAT, {"max_tokens": 0}, "max_tokens", "max_tokens=0 must be an integer >= 1"),
+        # Without echo there is nothing to answer with: still refused.
+        (COMPLETION, {"max_tokens": 0, "logprobs": 1}, "max_tokens", "max_tokens=0 must be"),
+    ],
+)
+def test_an_error_names_the_field_the_client_sent_and_its_limit(
+    base_url, path, body, param, message
+):
+    body = body | ({"prompt": "x"} if path == COMPLETION else {"messages": MESSAGES})
+    error = assert_error(httpx.post(f"{base_url}{path}", json=body, headers=AUTH), 400, param)
+    assert message in error["message"], error
+
+
 @pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
 def test_a_body_not_sent_as_json_says_how_to_send_it(base_url, content_type):
     headers = AUTH | ({"Content-Type": content_type} if content_type else {})

@@ -7,11 +7,14 @@ longer than the step's budget, preemption, an abort, prefix-cache hits) and on a
 Llama at TP=2 in dense fp32 and int4. A worker that dies ends the engine with an error naming
 it, the server's /health turns 503, and no process is left behind."""
 
+import json
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import openai
@@ -175,3 +178,60 @@ def test_the_command_line_runs_it():
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "The capital of France is Paris."
     assert "(rank 0 of 3's part)" in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("sig", "group", "exit_code"),
+    [(signal.SIGINT, True, 130), (signal.SIGTERM, False, -signal.SIGTERM)],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_stopping_tinyllm_serve_tp2_ends_its_live_streams(tmp_path, sig, group, exit_code):
+    """Stopping the server while clients stream (Ctrl-C at a terminal reaches every process,
+    a SIGTERM rank 0 alone): each stream ends with an error event in OpenAI's shape and
+    [DONE], the log says what each streamed and one line about the shutdown, with no
+    traceback; the workers take rank 0's stop, and leak no semaphore."""
+    from tests.test_dummy_weights import TINY
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY | {"max_position_embeddings": 4096}))
+    log_path = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "tinyllm.entrypoints.cli", "serve", "--model", str(config)]
+    cmd += ["--load-format", "dummy", "-tp", "2", "--port", "0", "--num-blocks", "256"]
+    with open(log_path, "w") as log:  # its own session: Ctrl-C goes to every process in it
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (m := re.search(r"running on (http://[\d.:]+)", log_path.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"{m[1]}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        body = {"model": model, "prompt": [5, 17], "max_tokens": 4000, "stream": True}
+        sdk = client.completions.create(**body, extra_body={"ignore_eos": True})
+        body["ignore_eos"], streamed = True, []
+        with httpx.stream("POST", f"{m[1]}/v1/completions", json=body, timeout=60) as raw:
+            lines = raw.iter_lines()
+            while len(streamed) < 3:  # both streams are live
+                streamed.append(next(lines))
+            next(iter(sdk))
+            if group:
+                os.killpg(proc.pid, sig)
+            else:
+                proc.send_signal(sig)
+            rest = [line for line in lines if line]
+        with pytest.raises(openai.APIError, match="the server is shutting down"):
+            list(sdk)
+        assert proc.wait(60) == exit_code  # as the signal ends a command
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    error = json.loads(rest[-2].removeprefix("data: "))["error"]
+    assert rest[-1] == "data: [DONE]" and error["code"] == "engine_dead"
+    assert "the server is shutting down" in error["message"]
+    log = log_path.read_text()
+    assert "shutting down: 2 request(s) still running end with an error" in log
+    ends = re.findall(r"\+ (\d+) completion tokens, error 503 \(.*shutting down\)", log)
+    assert len(ends) == 2 and all(int(n) > 0 for n in ends), log
+    assert "Traceback" not in log and "leaked semaphore" not in log, log
+    assert "lost rank 0" not in log, log  # a worker that did not get the stop

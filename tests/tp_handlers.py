@@ -10,6 +10,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from tinyllm.engine.worker.transport import WorkerGroup, run_worker, torchrun_rank
 
@@ -38,6 +39,7 @@ class SumHandler:
 
 
 def make_sum_handler(rank: int, world_size: int, device: torch.device) -> SumHandler:
+    tqdm(range(1), disable=True)  # as loading the weights does: tqdm makes its lock
     return SumHandler(rank)
 
 

@@ -20,12 +20,18 @@ from llguidance import LLExecutor, LLMatcher, LLTokenizer, grammar_from
 from torch import Tensor
 
 from tinyllm.engine.structured_output.params import StructuredOutputsParams
+from tinyllm.loaders.dummy import IdsOnlyTokenizer
 from tinyllm.text.json_schema import closed_objects
 
 if TYPE_CHECKING:
     from tinyllm.text.tokenizer import Tokenizer
 
 
+# A grammar is over text: without a tokenizer no token's text is known.
+_NO_TOKENIZER = (
+    "dummy weights (load_format='dummy', --load-format dummy) come without a tokenizer, so "
+    "structured output and tools cannot run; load a real model for them"
+)
 # Compact JSON (no optional whitespace): with whitespace allowed between tokens, a small model
 # can pad with newlines until max_tokens. A schema's own "x-guidance" settings override this.
 _JSON_OPTIONS = {"whitespace_flexible": False}
@@ -85,6 +91,8 @@ class StructuredOutputCompiler:
         """A fresh matcher at the grammar's start; ValueError naming the field and the problem
         if it does not compile (an invalid schema or regex, a feature llguidance lacks)."""
         name, grammar = _grammar(params)
+        if isinstance(self._tokenizer, IdsOnlyTokenizer):
+            raise ValueError(f"structured_outputs.{name}: {_NO_TOKENIZER}")
         with self._lock:
             if (compiled := self._compiled.get(grammar)) is not None:
                 self._compiled.move_to_end(grammar)

@@ -37,6 +37,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tqdm import tqdm
 
 from tinyllm.host.threads import rank_threads, set_threads
 from tinyllm.host.torchrun import torchrun_rank
@@ -401,6 +402,10 @@ def _spawned(rank, world_size, port, device, threads, make_handler, args, timeou
 def _serve(store, rank, world_size, device, threads, make_handler, args, timeout=DEFAULT_TIMEOUT):
     """A worker's life: join, build the handler, run it on each message, stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides what Ctrl-C stops
+    # tqdm's default lock (its bars: loading the weights) is a named semaphore, which a worker
+    # that leaves through _exit or is killed never unlinks: the resource tracker then warns of
+    # a leak at shutdown. A worker's bars are its own process's alone: a thread lock does.
+    tqdm.set_lock(threading.RLock())
     set_threads(threads)
     store.set(_KEY.format(what="joined", rank=rank), "")
     _init_group(store, rank, world_size, device, timeout)

@@ -2,12 +2,14 @@
 for `tinyllm serve`."""
 
 import argparse
+import asyncio
 import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
+import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -74,6 +76,7 @@ def create_app(
         lifespan=lifespan,
         dependencies=[Depends(check_api_key)],
     )
+    app.state.engine_loop = engine_loop  # Server stops it first, to end the live streams
     app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes)
     install_error_handlers(app)
 
@@ -137,10 +140,29 @@ def create_app(
     return app
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server for an app from create_app. On shutdown (Ctrl-C, SIGTERM) uvicorn waits
+    for open responses, then cancels them: a stream would be cut with no end. The engine loop
+    stops first instead, so every request still running ends with an error in OpenAI's shape
+    (a stream: an error event, then [DONE]) and the wait is short. `close` (the LLM's, when
+    the server owns it) runs once the app is down: uvicorn then raises a SIGTERM it caught
+    again, which ends the process at once, before any `finally` or atexit could stop the
+    tensor-parallel workers."""
+
+    def __init__(self, config: uvicorn.Config, close: Callable[[], None] | None = None) -> None:
+        super().__init__(config)
+        self._close = close
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        app = self.config.app
+        await asyncio.to_thread(app.state.engine_loop.stop)
+        await super().shutdown(sockets)
+        if self._close is not None:
+            await asyncio.to_thread(self._close)
+
+
 def serve(args: argparse.Namespace) -> None:
     """`tinyllm serve`: load the model, then serve until interrupted."""
-    import uvicorn
-
     from tinyllm.entrypoints.args import build_llm
 
     logging.getLogger("tinyllm.server").setLevel(logging.INFO)
@@ -161,15 +183,17 @@ def serve(args: argparse.Namespace) -> None:
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         log.warning("serving on %s without an API key: whoever reaches it can use it", args.host)
     # Our handlers log one line per request; uvicorn's access log would be a second. On Ctrl-C,
-    # streams still open after a few seconds are cancelled (which aborts them in the engine).
+    # running requests end with an error (Server); a response still open after a few seconds
+    # more is cancelled.
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
     try:
-        uvicorn.run(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level="info",
-            access_log=False,
-            timeout_graceful_shutdown=5,
-        )
+        Server(config, llm.close).run()
     finally:
         llm.close()

@@ -138,7 +138,9 @@ class EngineLoop:
             self._shut_down(f"the engine loop died ({type(e).__name__}: {e})")
             return
         self.engine.abort_all()  # leave the engine clean for whoever owns it next
-        self._shut_down("the server is shutting down")
+        ended = self._shut_down("the server is shutting down")
+        if ended:
+            log.info("shutting down: %d request(s) still running end with an error", ended)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         # Metrics first: a client that got its last token sees them already counted.
@@ -227,7 +229,8 @@ class EngineLoop:
         for stream, outs in by_stream.items():
             stream.put(outs)
 
-    def _shut_down(self, why: str) -> None:
+    def _shut_down(self, why: str) -> int:
+        """Refuse what comes next and fail every request waiting; how many HTTP requests."""
         with self._lock:
             self.error = why
         streams = {t.stream for t in self._tracked.values()}
@@ -240,6 +243,7 @@ class EngineLoop:
                 _settle(command[1], command[2], EngineDeadError(why))
         for stream in streams:
             stream.put(EngineDeadError(why))
+        return len(streams)
 
 
 def _settle(loop: asyncio.AbstractEventLoop, done: asyncio.Future, result: object) -> None:

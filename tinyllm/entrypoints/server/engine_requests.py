@@ -140,7 +140,8 @@ def plan_choices(
     value from `defaults` (the model's recommended settings). `default_max_tokens` None: fill the
     context; an explicit `max_tokens` that does not fit it is an error, a default is cut to fit."""
     vocab = validator.limits.vocab_size
-    base = _params(req, 1 if max_tokens is None else max_tokens, logprobs, vocab, defaults)
+    max_tokens_asked = 1 if max_tokens is None else max_tokens
+    base = _params(req, max_tokens_asked, logprobs, vocab, defaults, max_tokens_param)
     base = dataclasses.replace(base, prompt_logprobs=prompt_logprobs)
     if constraint is not None:
         base = dataclasses.replace(base, structured_outputs=constraint.params)
@@ -188,7 +189,12 @@ def plan_choices(
 
 
 def _params(
-    req: SamplingRequest, max_tokens: int, logprobs: int | None, vocab: int, d: SamplingParams
+    req: SamplingRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    vocab: int,
+    d: SamplingParams,
+    max_tokens_param: str,
 ) -> SamplingParams:
     def pick(value, default):
         return default if value is None else value
@@ -213,7 +219,11 @@ def _params(
             logit_bias=_logit_bias(req.logit_bias or {}, vocab),
         )
     except ValueError as e:
-        raise invalid_params(e) from e
+        error = invalid_params(e)
+        if error.param == "max_tokens":  # in the words of the field the client sent
+            message = error.message.replace("max_tokens", max_tokens_param, 1)
+            error = APIError(400, message, param=max_tokens_param)
+        raise error from e
 
 
 def _logit_bias(bias: dict[str, float], vocab: int) -> dict[int, float]:

@@ -58,7 +58,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"malformed JSON body: {err.get('ctx', {}).get('error', 'cannot parse')}", None
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     # For a union, pydantic names the member that failed too ("prompt.str"): still readable.
-    return f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid value')}", loc[0] if loc else None
+    # A check of ours raised ValueError: its message is for the client as it stands.
+    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+    return f"{'.'.join(loc) or 'body'}: {msg}", loc[0] if loc else None
 
 
 def _sent_json(request: Request) -> bool:

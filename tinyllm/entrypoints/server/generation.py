@@ -1,6 +1,7 @@
 """One HTTP request's engine requests, from submission to the last output, and its SSE stream."""
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -52,9 +53,17 @@ class Generation:
     in the engine (so a client that went away frees its KV blocks at once) and logs the line."""
 
     def __init__(
-        self, loop: EngineLoop, request_id: str, prompts: list[Prompt], choices: list[Choice]
+        self,
+        loop: EngineLoop,
+        request_id: str,
+        prompts: list[Prompt],
+        choices: list[Choice],
+        score_only: bool = False,
     ) -> None:
+        """`score_only`: the prompt is all the client asked for (echo with max_tokens 0); the
+        token the engine samples after it is dropped from every output."""
         self.request_id, self.prompts, self.choices = request_id, prompts, choices
+        self._score_only = score_only
         self._loop = loop
         self._by_key = {(c.request_id, c.completion): c for c in choices}
         self.results = {c.index: ChoiceResult() for c in choices}
@@ -64,6 +73,7 @@ class Generation:
         self._start = time.perf_counter()
         self._stream = loop.submit(list(requests.values()))
         self._closed = False
+        self._error: APIError | None = None  # what ended it early, for the log
         # Logged before it runs: if the process dies in native code, the log says what it ran.
         log.info(
             "%s: started, %s prompt token(s), %d choice(s), max_tokens %d",
@@ -76,12 +86,20 @@ class Generation:
     async def _next(self) -> list[tuple[Choice, CompletionOutput]]:
         """The deltas that arrived, in order, each added to its choice's result."""
         batch = []
-        for out in await self._stream.get():
+        try:
+            outputs = await self._stream.get()
+        except APIError as e:
+            self._error = e
+            raise
+        for out in outputs:
             if out.finished:
                 self._unfinished.discard(out.request_id)
             for completion in out.outputs:
                 if completion.finish_reason == "error":
-                    raise APIError(500, out.error or "the engine failed on this request")
+                    self._error = APIError(500, out.error or "the engine failed on this request")
+                    raise self._error
+                if self._score_only:
+                    completion = _without_tokens(completion)
                 choice = self._by_key[(out.request_id, completion.index)]
                 self.results[choice.index].add(completion, out)
                 batch.append((choice, completion))
@@ -133,6 +151,8 @@ class Generation:
         if self._unfinished:
             self._loop.abort(list(self._unfinished))
         reasons = sorted({r.finish_reason for r in self.results.values() if r.finish_reason})
+        if self._error is not None:
+            reasons.append(f"error {self._error.status} ({self._error.message})")
         usage = self.usage()
         log.info(
             "%s: %d choice(s), %d prompt + %d completion tokens, %s in %.2fs%s",
@@ -140,10 +160,23 @@ class Generation:
             len(self.choices),
             usage.prompt_tokens,
             usage.completion_tokens,
-            "/".join(reasons) or "no output",
+            "/".join(reasons) or "ended early",
             time.perf_counter() - self._start,
             f", aborted {len(self._unfinished)} unfinished" if self._unfinished else "",
         )
+
+
+def _without_tokens(out: CompletionOutput) -> CompletionOutput:
+    """`out` with no generated tokens: the answer ends at the prompt ("length", as OpenAI says)."""
+    reason = "length" if out.finish_reason in ("stop", "length") else out.finish_reason
+    return dataclasses.replace(
+        out,
+        text="",
+        token_ids=[],
+        logprobs=None if out.logprobs is None else [],
+        finish_reason=reason,
+        stop_reason=None,
+    )
 
 
 def _event(data: BaseModel | dict) -> str:

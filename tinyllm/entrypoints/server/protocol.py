@@ -5,11 +5,22 @@ Optional parameters accept `null` as "the default", as OpenAI's API does.
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 TokenIds = list[int]
 # A few stop strings are all anyone needs, and each one costs the engine work on every token.
-StopStrings = Annotated[list[str], Field(max_length=16)]
+MAX_STOP_STRINGS = 16
+
+
+def _stop_limit(stop: str | list[str]) -> str | list[str]:
+    # Checked on the union as a whole: a limit inside one member reads "stop.str: Input should
+    # be a valid string" for a list that is too long.
+    if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, not {len(stop)}")
+    return stop
+
+
+StopStrings = Annotated[str | list[str], AfterValidator(_stop_limit)]
 
 
 def _omitted_if_none() -> Any:
@@ -57,7 +68,7 @@ class SamplingRequest(_Request):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    stop: str | StopStrings | None = None
+    stop: StopStrings | None = None
     stop_token_ids: TokenIds | None = None
     # Signed 64 bits, what torch.Generator takes (choice i of n draws from seed + i, wrapped).
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)

@@ -79,13 +79,16 @@ class OpenAIServing:
         include_usage = self._common_checks(req)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         constraint = request_constraint(req)
+        # echo with max_tokens 0 scores the prompt alone (OpenAI's API does; evaluation harnesses
+        # send it). The engine always samples after the prompt: one token, which is dropped.
+        score_only = bool(req.echo) and req.max_tokens == 0
         prompts = await run_in_threadpool(completion_prompts, self.tokenizer, req.prompt)
         choices = plan_choices(
             self.validator,
             request_id,
             req,
             prompts,
-            req.max_tokens,
+            1 if score_only else req.max_tokens,
             self.default_max_tokens or COMPLETION_MAX_TOKENS,
             req.logprobs,
             self.defaults,
@@ -114,7 +117,7 @@ class OpenAIServing:
                 index=c.index, text=text, logprobs=logprobs, finish_reason=reason
             )
 
-        gen = Generation(self.loop, request_id, prompts, choices)
+        gen = Generation(self.loop, request_id, prompts, choices, score_only)
         if req.stream:
             return StreamingResponse(
                 sse(
