@@ -17,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from tinyllm import __version__
 from tinyllm.entrypoints.llm import LLM
+from tinyllm.entrypoints.server.chat_run import ChatServing
 from tinyllm.entrypoints.server.engine_loop import EngineLoop
 from tinyllm.entrypoints.server.engine_requests import chat_prompt, encode
 from tinyllm.entrypoints.server.errors import APIError, BodyLimitMiddleware, install_error_handlers
@@ -47,7 +48,8 @@ def create_app(
     engine, tokenizer = llm.engine, llm.tokenizer
     metrics = ServerMetrics(engine.stats())
     engine_loop = EngineLoop(engine, metrics)
-    serving = OpenAIServing(llm, engine_loop)
+    chat = ChatServing(llm, engine_loop)
+    serving = OpenAIServing(chat)
     # Read now: once the loop runs, only its thread touches the engine.
     max_model_len, vocab = engine.max_model_len, engine.vocab_size
     started = int(time.time())
@@ -114,7 +116,7 @@ def create_app(
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:
-        serving.check_model(req.model)
+        chat.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give either prompt or messages", param="prompt")
         if req.prompt is not None:
@@ -131,7 +133,7 @@ def create_app(
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict:
-        serving.check_model(req.model)
+        chat.check_model(req.model)
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token id {bad[0]} is outside [0, {vocab})", param="tokens")

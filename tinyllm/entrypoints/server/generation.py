@@ -179,7 +179,7 @@ def _without_tokens(out: CompletionOutput) -> CompletionOutput:
     )
 
 
-def _event(data: BaseModel | dict) -> str:
+def sse_event(data: BaseModel | dict) -> str:
     body = data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data)
     return f"data: {body}\n\n"
 
@@ -199,7 +199,7 @@ async def sse(
     held: dict[int, list[TokenLogprob]] = {}  # logprobs of tokens whose text is held back
     try:
         for c in first:
-            yield _event(c)
+            yield sse_event(c)
         async for batch in gen.updates():
             for choice, out in batch:
                 prefix = prefixes.pop(choice.index, "")
@@ -216,11 +216,11 @@ async def sse(
                 streamed[choice.index] += len(text)
                 event = chunk(choice, text, new, out.finish_reason, start + len(prefix))
                 if event is not None:
-                    yield _event(event)
+                    yield sse_event(event)
         if usage_chunk is not None:
-            yield _event(usage_chunk(gen.usage()))
+            yield sse_event(usage_chunk(gen.usage()))
     except APIError as e:
-        yield _event(e.body())
+        yield sse_event(e.body())
     finally:
         gen.close()
     yield "data: [DONE]\n\n"

@@ -233,6 +233,9 @@ class ToolCallOut(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # A thinking model's reasoning, apart from the content: clients read either name.
+    reasoning_content: str | None = _omitted_if_none()
+    reasoning: str | None = _omitted_if_none()
     tool_calls: list[ToolCallOut] | None = _omitted_if_none()
 
 
@@ -269,6 +272,8 @@ class ToolCallDelta(BaseModel):
 class Delta(BaseModel):
     role: str | None = _omitted_if_none()
     content: str | None = _omitted_if_none()
+    reasoning_content: str | None = _omitted_if_none()
+    reasoning: str | None = _omitted_if_none()
     tool_calls: list[ToolCallDelta] | None = _omitted_if_none()
 
 

@@ -4,25 +4,23 @@ import itertools
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from tinyllm.engine.outputs import TokenLogprob
-from tinyllm.entrypoints.llm import LLM
-from tinyllm.entrypoints.server.engine_loop import EngineLoop
+from tinyllm.entrypoints.server.chat_run import ChatRun, ChatServing
 from tinyllm.entrypoints.server.engine_requests import (
     Choice,
-    Constraint,
     Prompt,
-    chat_prompt,
     completion_prompts,
     plan_choices,
     request_constraint,
 )
 from tinyllm.entrypoints.server.errors import APIError
-from tinyllm.entrypoints.server.generation import Generation, sse
+from tinyllm.entrypoints.server.generation import Generation, sse, sse_event
 from tinyllm.entrypoints.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -37,10 +35,13 @@ from tinyllm.entrypoints.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     Delta,
+    FunctionCallOut,
+    FunctionDelta,
     SamplingRequest,
+    ToolCallDelta,
+    ToolCallOut,
     TopLogprob,
 )
-from tinyllm.entrypoints.server.tools import ToolDeltas, plan_tools, tool_message
 
 log = logging.getLogger("tinyllm.server")
 
@@ -48,29 +49,18 @@ COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat fills t
 
 
 class OpenAIServing:
-    def __init__(self, llm: LLM, engine_loop: EngineLoop) -> None:
-        self.tokenizer, self.model_name = llm.tokenizer, llm.model_name
-        self.loop = engine_loop  # the engine itself only its thread touches
-        self.validator = llm.engine.request_validator()
-        # A field a request leaves out: the model's recommended value (--generation-config
-        # auto), else OpenAI's defaults, which SamplingParams' neutral values are.
-        self.defaults = llm.get_default_sampling_params()
-        self.default_max_tokens = llm.default_sampling.get("max_tokens")
+    """OpenAI's dialect: /v1/completions here, /v1/chat/completions through the shared chat
+    path (chat_run)."""
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(
-                404,
-                f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
-                param="model",
-                code="model_not_found",
-            )
+    def __init__(self, chat: ChatServing) -> None:
+        self.chat_serving = chat
+        self.tokenizer, self.model_name = chat.tokenizer, chat.model_name
+        self.loop, self.validator = chat.loop, chat.validator
+        self.defaults, self.default_max_tokens = chat.defaults, chat.default_max_tokens
 
     def _common_checks(self, req: SamplingRequest) -> bool:
         """Common checks; returns whether the stream ends with a usage chunk."""
-        self.check_model(req.model)
-        if req.model_extra:
-            log.warning("ignoring unsupported request fields: %s", ", ".join(req.model_extra))
+        self.chat_serving.check_fields(req)
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options needs stream: true", param="stream_options")
         return bool(req.stream and req.stream_options and req.stream_options.include_usage)
@@ -141,97 +131,93 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         include_usage = self._common_checks(req)
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
-        if max_tokens is None:
-            max_tokens, param = req.max_tokens, "max_tokens"
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        constraint = request_constraint(req)
-        tools = plan_tools(req, constraint is not None)
-        if tools.constraint is not None:
-            constraint = Constraint(tools.constraint, "tools")
-        prompt = await run_in_threadpool(
-            chat_prompt, self.tokenizer, req.messages, tools=tools.tools
-        )
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        choices = plan_choices(
-            self.validator,
-            request_id,
-            req,
-            [prompt],
-            max_tokens,
-            self.default_max_tokens,
-            logprobs,
-            self.defaults,
-            param,
-            constraint,
-        )
+        run = await self.chat_serving.start(req)
         created = int(time.time())
-        streams = {c.index: ToolDeltas() for c in choices} if tools.parse else {}
 
         def chunk(choices: list[ChatChunkChoice], usage=None) -> ChatCompletionChunk:
             return ChatCompletionChunk(
-                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+                id=run.request_id,
+                created=created,
+                model=self.model_name,
+                choices=choices,
+                usage=usage,
             )
 
-        def delta(c: Choice, text: str, lps: list[TokenLogprob] | None, reason, _start: int):
-            logprobs = self._chat_logprobs(lps) if lps is not None else None
-            new = Delta(content=text or None)
-            if tools.parse:  # calls become tool_calls deltas; no markup reaches content
-                new, reason = streams[c.index].delta(text, reason)
-                if new is None and reason is None and logprobs is None:
-                    return None
-            return chunk(
-                [
-                    ChatChunkChoice(
-                        index=c.index,
-                        delta=new or Delta(),
-                        logprobs=logprobs,
-                        finish_reason=reason,
-                    )
-                ]
-            )
-
-        gen = Generation(self.loop, request_id, [prompt], choices)
         if req.stream:
-            # OpenAI's first chunk of each choice names the role, with empty content.
-            roles = [
-                chunk([ChatChunkChoice(index=c.index, delta=Delta(role="assistant", content=""))])
-                for c in choices
-            ]
-            usage_chunk = (lambda u: chunk([], u)) if include_usage else None
             return StreamingResponse(
-                sse(gen, delta, first=roles, usage_chunk=usage_chunk),
-                media_type="text/event-stream",
+                self._chat_stream(run, chunk, include_usage), media_type="text/event-stream"
             )
         try:
-            if not await gen.finish(raw.is_disconnected):
-                return Response(status_code=499)
+            if not await run.finish(raw.is_disconnected):
+                return Response(status_code=499)  # nobody is listening
         finally:
-            gen.close()
-        done = []
-        for c in choices:
-            out = gen.results[c.index]
-            lps = out.logprobs
-            message, reason = AssistantMessage(content=out.text), out.finish_reason
-            if tools.parse:
-                message, reason = tool_message(out.text, reason)
-            done.append(
-                ChatChoice(
-                    index=c.index,
-                    message=message,
-                    logprobs=self._chat_logprobs(lps) if lps is not None else None,
-                    finish_reason=reason,
-                )
+            run.close()
+        done = [
+            ChatChoice(
+                index=index,
+                message=AssistantMessage(
+                    content=a.content if a.content or not a.calls else None,
+                    reasoning_content=a.reasoning or None,
+                    reasoning=a.reasoning or None,
+                    tool_calls=[
+                        ToolCallOut(
+                            id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)
+                        )
+                        for c in a.calls
+                    ]
+                    or None,
+                ),
+                logprobs=self._chat_logprobs(a.logprobs) if a.logprobs is not None else None,
+                finish_reason=a.finish_reason,
             )
+            for index, a in run.answers.items()
+        ]
         return ChatCompletionResponse(
-            id=request_id,
+            id=run.request_id,
             created=created,
             model=self.model_name,
             choices=done,
-            usage=gen.usage(),
+            usage=run.usage(),
         )
+
+    async def _chat_stream(
+        self, run: ChatRun, chunk: Callable[..., ChatCompletionChunk], include_usage: bool
+    ) -> AsyncIterator[str]:
+        """OpenAI's chunks: each choice's role first (with empty content, as OpenAI's first
+        chunk), then its deltas, the usage chunk if asked, and [DONE]; an error after the
+        stream started becomes an error event."""
+        try:
+            role = Delta(role="assistant", content="")
+            for c in run.choices:
+                yield sse_event(chunk([ChatChunkChoice(index=c.index, delta=role)]))
+            async for d in run.deltas():
+                calls = [
+                    ToolCallDelta(
+                        index=c.index,
+                        id=c.id,
+                        type="function" if c.id is not None else None,
+                        function=FunctionDelta(name=c.name, arguments=c.arguments),
+                    )
+                    for c in d.calls
+                ]
+                delta = Delta(
+                    content=d.content or None,
+                    reasoning_content=d.reasoning or None,
+                    reasoning=d.reasoning or None,
+                    tool_calls=calls or None,
+                )
+                logprobs = self._chat_logprobs(d.logprobs) if d.logprobs is not None else None
+                choice = ChatChunkChoice(
+                    index=d.index, delta=delta, logprobs=logprobs, finish_reason=d.finish_reason
+                )
+                yield sse_event(chunk([choice]))
+            if include_usage:
+                yield sse_event(chunk([], run.usage()))
+        except APIError as e:
+            yield sse_event(e.body())
+        finally:
+            run.close()
+        yield "data: [DONE]\n\n"
 
     # -- shapes ---------------------------------------------------------------------------------
 

@@ -1,0 +1,176 @@
+"""The chat path every dialect shares: one internal chat request (OpenAI's chat body, which
+/v1/responses, /v1/messages and /api/chat translate into) becomes engine requests, and each
+choice's text becomes content, reasoning and tool-call deltas (tinyllm.text.answer).
+
+A dialect builds a `ChatCompletionRequest`, calls `ChatServing.start` (which raises APIError
+for anything wrong with it before the engine sees it), then either iterates `ChatRun.deltas()`
+to stream or awaits `ChatRun.finish()` and reads `ChatRun.answers`; either way it closes the run,
+which aborts what is left in the engine.
+"""
+
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from starlette.concurrency import run_in_threadpool
+
+from tinyllm.engine.outputs import TokenLogprob
+from tinyllm.entrypoints.llm import LLM
+from tinyllm.entrypoints.server.engine_loop import EngineLoop
+from tinyllm.entrypoints.server.engine_requests import (
+    Choice,
+    Constraint,
+    chat_prompt,
+    plan_choices,
+    request_constraint,
+)
+from tinyllm.entrypoints.server.errors import APIError
+from tinyllm.entrypoints.server.generation import Generation
+from tinyllm.entrypoints.server.protocol import ChatCompletionRequest, SamplingRequest, Usage
+from tinyllm.entrypoints.server.tools import ToolPlan, finish_reason, plan_tools
+from tinyllm.text.answer import Answer, AnswerDelta, AnswerStream
+from tinyllm.text.tool_calls import CallDelta
+
+log = logging.getLogger("tinyllm.server")
+
+
+@dataclass
+class ChatDelta:
+    """What is new in choice `index`: the answer's parts, its tokens' logprobs, and its finish
+    reason on the last one ("stop", "length", "tool_calls", "abort")."""
+
+    index: int
+    content: str = ""
+    reasoning: str = ""
+    calls: list[CallDelta] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class ChatAnswer(Answer):
+    """A choice's whole answer."""
+
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+
+
+class ChatServing:
+    """Turns internal chat requests into running `ChatRun`s."""
+
+    def __init__(self, llm: LLM, engine_loop: EngineLoop) -> None:
+        self.tokenizer, self.model_name = llm.tokenizer, llm.model_name
+        self.loop = engine_loop  # the engine itself only its thread touches
+        self.validator = llm.engine.request_validator()
+        # A field a request leaves out: the model's recommended value (--generation-config
+        # auto), else OpenAI's defaults, which SamplingParams' neutral values are.
+        self.defaults = llm.get_default_sampling_params()
+        self.default_max_tokens = llm.default_sampling.get("max_tokens")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_fields(self, req: SamplingRequest) -> None:
+        """The checks every request shares: the model, and a log line for ignored fields."""
+        self.check_model(req.model)
+        if req.model_extra:
+            log.warning("ignoring unsupported request fields: %s", ", ".join(req.model_extra))
+
+    async def start(self, req: ChatCompletionRequest, request_id: str | None = None) -> "ChatRun":
+        self.check_fields(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
+        if max_tokens is None:
+            max_tokens, param = req.max_tokens, "max_tokens"
+        request_id = request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        constraint = request_constraint(req)
+        tools = plan_tools(req, constraint is not None)
+        if tools.constraint is not None:
+            constraint = Constraint(tools.constraint, "tools")
+        prompt = await run_in_threadpool(
+            chat_prompt, self.tokenizer, req.messages, tools=tools.tools
+        )
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        choices = plan_choices(
+            self.validator,
+            request_id,
+            req,
+            [prompt],
+            max_tokens,
+            self.default_max_tokens,
+            logprobs,
+            self.defaults,
+            param,
+            constraint,
+        )
+        return ChatRun(Generation(self.loop, request_id, [prompt], choices), tools)
+
+
+class ChatRun:
+    """One chat request running in the engine: its choices' deltas as they come, or their
+    whole answers once done."""
+
+    def __init__(self, gen: Generation, tools: ToolPlan) -> None:
+        self.gen, self.request_id = gen, gen.request_id
+        self.choices: list[Choice] = gen.choices
+        self._streams = {c.index: AnswerStream(tools=tools.parse) for c in self.choices}
+        self.answers = {c.index: ChatAnswer() for c in self.choices}
+
+    def _delta(self, choice: Choice, text: str, reason: str | None) -> ChatDelta:
+        stream = self._streams[choice.index]
+        new: AnswerDelta = stream.feed(text, final=reason is not None)
+        reason = finish_reason(reason, stream.has_calls)
+        delta = ChatDelta(choice.index, new.content, new.reasoning, new.calls, None, reason)
+        answer = self.answers[choice.index]
+        answer.add(new)
+        answer.finish_reason = reason
+        return delta
+
+    async def deltas(self) -> AsyncIterator[ChatDelta]:
+        """Each choice's news, in order; a choice's last delta has its finish reason. Tokens
+        whose text is still held back (a stop string may be starting) send their logprobs with
+        the next delta that has text. Raises APIError if the engine fails the request."""
+        held: dict[int, list[TokenLogprob]] = {}
+        async for batch in self.gen.updates():
+            for choice, out in batch:
+                lps = out.logprobs
+                if lps is not None:
+                    lps = held.pop(choice.index, []) + lps
+                delta = self._delta(choice, out.text, out.finish_reason)
+                delta.logprobs = lps
+                self._add_logprobs(choice.index, out.logprobs)
+                news = delta.content or delta.reasoning or delta.calls
+                if not news and delta.finish_reason is None:
+                    if lps:
+                        held[choice.index] = lps
+                    continue
+                yield delta
+
+    async def finish(self, disconnected: Callable[[], Awaitable[bool]]) -> bool:
+        """Run every choice to its end; False if the client went away first."""
+        if not await self.gen.finish(disconnected):
+            return False
+        for c in self.choices:
+            result = self.gen.results[c.index]
+            self._delta(c, result.text, result.finish_reason)
+            self.answers[c.index].logprobs = result.logprobs
+        return True
+
+    def _add_logprobs(self, index: int, lps: list[TokenLogprob] | None) -> None:
+        if lps is not None:
+            answer = self.answers[index]
+            answer.logprobs = (answer.logprobs or []) + lps
+
+    def usage(self) -> Usage:
+        return self.gen.usage()
+
+    def close(self) -> None:
+        self.gen.close()
