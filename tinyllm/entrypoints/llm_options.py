@@ -15,6 +15,7 @@ from tinyllm.entrypoints.generation_config import (
 from tinyllm.host.options import option, option_fields
 from tinyllm.host.threads import default_threads
 from tinyllm.loaders.load_config import LoadConfig
+from tinyllm.text.tool_parsers import TOOL_CALL_PARSERS
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,12 @@ class LLMOptions:
         f"settings, else greedy, up to {DEFAULT_MAX_TOKENS} tokens; vllm: SamplingParams' "
         "neutral ones (temperature 1, 16 tokens)",
         choices=GENERATION_CONFIGS,
+    )
+    tool_call_parser: str = option(
+        "auto",
+        "the format of tool calls (constrained and parsed); auto: the one the chat template "
+        "teaches, else hermes (<tool_call> blocks)",
+        choices=TOOL_CALL_PARSERS,
     )
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ import jinja2
 from jinja2 import meta
 
 from tinyllm.text.tool_calls import CALL_END, CALL_START
+from tinyllm.text.tool_formats import GENERIC, ToolFormat
 
 _TOOLS_PREAMBLE = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -42,20 +43,18 @@ def tools_system_text(tools: list[dict[str, Any]]) -> str:
     return f"{_TOOLS_PREAMBLE}{lines}\n{_TOOLS_FORMAT}"
 
 
-def call_text(name: str, arguments: Any) -> str:
-    """One call as the generic format (and Qwen) writes it."""
-    body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
-    return f"{CALL_START}\n{body}\n{CALL_END}"
-
-
 def template_inputs(
-    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, template: str
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    template: str,
+    fmt: ToolFormat = GENERIC,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The messages and extra variables to render `template` with."""
+    """The messages and extra variables to render `template` with; `fmt`: how calls in the
+    history are written where the template does not render them."""
     messages = [_with_dict_arguments(m) for m in messages]
     if template_reads_tools(template):
         return messages, ({"tools": tools} if tools else {})
-    return _generic(messages, tools), {}
+    return _generic(messages, tools, fmt), {}
 
 
 def _with_dict_arguments(message: dict[str, Any]) -> dict[str, Any]:
@@ -78,7 +77,7 @@ def _with_dict_arguments(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def _generic(
-    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, fmt: ToolFormat
 ) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if tools:
@@ -97,11 +96,10 @@ def _generic(
             else:
                 out.append({"role": "user", "content": response})
         elif m.get("tool_calls"):
-            calls = [
-                call_text(c["function"]["name"], c["function"]["arguments"])
-                for c in m["tool_calls"]
-            ]
-            text = "\n".join(([m["content"]] if m.get("content") else []) + calls)
+            calls = fmt.calls_text(
+                [(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
+            )
+            text = "\n".join(([m["content"]] if m.get("content") else []) + [calls])
             out.append({"role": m["role"], "content": text})
         else:
             out.append(m)
