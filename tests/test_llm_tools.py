@@ -74,29 +74,35 @@ def family(default_llm, request):
 
 @pytest.mark.parametrize("family", FAMILIES, indirect=True)
 def test_each_familys_format_calls_validate_and_stream_the_same(family):
-    fmt = family.tool_format
     named = {"type": "function", "function": {"name": "get_weather"}}
+    # Greedy, and sampled hot: random token sequences the grammar must keep valid.
+    params = [GREEDY, *(SamplingParams(temperature=1.5, seed=s, max_tokens=96) for s in range(3))]
     for choice in ("required", named):
-        out = family.chat(ASK, GREEDY, use_tqdm=False, tools=TOOLS, tool_choice=choice)[0]
-        completion = out.outputs[0]
-        assert completion.finish_reason == "stop" and completion.tool_calls, completion.text
-        for call in completion.tool_calls:
-            assert call.name == "get_weather" and call.complete
-            jsonschema.validate(json.loads(call.arguments), TOOLS[0]["function"]["parameters"])
-        # Streamed token by token, the calls reassemble to the whole parse.
-        stream, sent, calls = ToolCallStream(fmt.scan), "", {}
-        ids = completion.token_ids
-        for k in range(1, len(ids) + 1):
-            text = family.tokenizer.decode(ids[:k])
-            content, deltas = stream.feed(text[len(sent) :], final=k == len(ids))
-            sent = text
-            assert content == ""
-            for d in deltas:
-                calls.setdefault(d.index, [d.name, ""])[1] += d.arguments
-        assert sent == completion.text
-        assert [tuple(c) for c in calls.values()] == [
-            (c.name, c.arguments) for c in completion.tool_calls
-        ]
+        outs = family.chat([ASK] * 4, params, use_tqdm=False, tools=TOOLS, tool_choice=choice)
+        for completion in (out.outputs[0] for out in outs):
+            _check_calls_and_their_stream(family, completion)
+
+
+def _check_calls_and_their_stream(family, completion) -> None:
+    fmt = family.tool_format
+    assert completion.finish_reason == "stop" and completion.tool_calls, completion.text
+    for call in completion.tool_calls:
+        assert call.name == "get_weather" and call.complete
+        jsonschema.validate(json.loads(call.arguments), TOOLS[0]["function"]["parameters"])
+    # Streamed token by token, the calls reassemble to the whole parse.
+    stream, sent, calls = ToolCallStream(fmt.scan), "", {}
+    ids = completion.token_ids
+    for k in range(1, len(ids) + 1):
+        text = family.tokenizer.decode(ids[:k])
+        content, deltas = stream.feed(text[len(sent) :], final=k == len(ids))
+        sent = text
+        assert content == ""
+        for d in deltas:
+            calls.setdefault(d.index, [d.name, ""])[1] += d.arguments
+    assert sent == completion.text
+    assert [tuple(c) for c in calls.values()] == [
+        (c.name, c.arguments) for c in completion.tool_calls
+    ]
 
 
 PYDANTIC_NESTED = {
