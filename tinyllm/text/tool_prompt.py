@@ -73,7 +73,9 @@ def _with_dict_arguments(message: dict[str, Any]) -> dict[str, Any]:
                     f"{function['arguments'][:80]!r}"
                 ) from None
         parsed.append({**call, "function": function})
-    return {**message, "tool_calls": parsed}
+    # A call's message as text "" where the client sent null or nothing: templates index or
+    # print it (Devstral's fails on a missing one, Hermes 3 would write "None").
+    return {**message, "content": message.get("content") or "", "tool_calls": parsed}
 
 
 def _generic(
