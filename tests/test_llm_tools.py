@@ -10,8 +10,10 @@ import pytest
 
 from tinyllm import SamplingParams
 from tinyllm.engine.structured_output.params import StructuredOutputsParams
+from tinyllm.entrypoints import cli
+from tinyllm.entrypoints.llm_options import llm_configs
 from tinyllm.text.tool_calls import ToolCallStream
-from tinyllm.text.tool_formats import tool_format
+from tinyllm.text.tool_formats import GENERIC, tool_format
 
 TOOLS = [
     {
@@ -145,3 +147,17 @@ def test_a_call_cut_by_max_tokens_has_no_nameless_call(default_llm):
         completion = out[0].outputs[0]
         assert completion.finish_reason == "length"
         assert all(c.name == "get_weather" and not c.complete for c in completion.tool_calls)
+
+
+def test_the_tool_call_parser_option_and_flag():
+    own, _, _ = llm_configs({"tool_call_parser": "llama3_json"})
+    assert own.tool_call_parser == "llama3_json"
+    with pytest.raises(ValueError, match="tool_call_parser: 'nope' is not one of auto"):
+        llm_configs({"tool_call_parser": "nope"})
+    serve = next(p for p in cli.iter_parsers(cli.build_parser()) if p.prog == "tinyllm serve")
+    assert serve.parse_args(["--tool-call-parser", "mistral"]).tool_call_parser == "mistral"
+    assert serve.parse_args([]).tool_call_parser == "auto"
+
+
+def test_the_default_model_uses_the_generic_format(default_llm):
+    assert default_llm.tool_format is GENERIC

@@ -8,6 +8,7 @@ import gguf
 import pytest
 
 from tinyllm.text.tokenizer import Tokenizer
+from tinyllm.text.tool_formats import tool_format
 from tinyllm.text.tool_prompt import template_reads_tools
 
 TOOLS = [
@@ -134,3 +135,10 @@ def test_each_familys_template_renders_a_tool_round(smollm, name):
         )
         text, _ = tok.encode_chat([EXCHANGE[0], called, result], tools=TOOLS)
         assert WRITTEN[name] in text and "18 C" in text and "None" not in text
+
+
+def test_a_named_format_on_a_template_without_tools_writes_its_own_calls(smollm):
+    llama = tool_format("llama3_json")
+    text, _ = smollm.encode_chat(EXCHANGE, tools=TOOLS, tool_format=llama)
+    assert llama.instruction in text and "<tool_call>" not in text
+    assert '{"name": "get_weather", "parameters": {"city": "Paris"}}' in text

@@ -157,7 +157,10 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if not conversations:
             raise ValueError("no conversation given: pass a list of messages")
-        encoded = [self.tokenizer.encode_chat(c, tools=tools) for c in conversations]
+        encoded = [
+            self.tokenizer.encode_chat(c, tools=tools, tool_format=self.tool_format)
+            for c in conversations
+        ]
         if not tools:
             return self._submit(encoded, params, use_tqdm)
         if not isinstance(params, list):

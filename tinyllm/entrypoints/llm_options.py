@@ -46,6 +46,11 @@ class LLMOptions:
 
     def __post_init__(self) -> None:
         check_generation_config(self.generation_config)
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser: {self.tool_call_parser!r} is not one of "
+                f"{', '.join(TOOL_CALL_PARSERS)}"
+            )
 
 
 # Every option's class, in the order of the help: what to load, this process, the engine.

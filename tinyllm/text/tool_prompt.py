@@ -4,7 +4,8 @@ A template that reads `tools` (Qwen2.5/Qwen3, Hermes, Llama 3.1...) gets them as
 them, and assistant `tool_calls` with their arguments as dicts (what Hugging Face templates
 expect). A template that does not (the default model's) gets tinyllm's generic format, the one
 Qwen's templates write: the tools in the system message, calls as `<tool_call>` blocks in the
-assistant's text, tool results as a user turn of `<tool_response>` blocks.
+assistant's text, tool results as a user turn of `<tool_response>` blocks (calls and the
+instruction in another format where --tool-call-parser names one).
 """
 
 import json
@@ -14,17 +15,11 @@ from typing import Any
 import jinja2
 from jinja2 import meta
 
-from tinyllm.text.tool_calls import CALL_END, CALL_START
 from tinyllm.text.tool_formats import GENERIC, ToolFormat
 
 _TOOLS_PREAMBLE = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
-)
-_TOOLS_FORMAT = (
-    "</tools>\n\nFor each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags:\n"
-    f'{CALL_START}\n{{"name": <function-name>, "arguments": <args-json-object>}}\n{CALL_END}'
 )
 
 
@@ -37,10 +32,10 @@ def template_reads_tools(template: str) -> bool:
         return False  # rendering it will say what is wrong
 
 
-def tools_system_text(tools: list[dict[str, Any]]) -> str:
-    """The generic format's system-message block: one JSON line per tool."""
+def tools_system_text(tools: list[dict[str, Any]], fmt: ToolFormat = GENERIC) -> str:
+    """The generic system-message block: one JSON line per tool, then how `fmt` calls."""
     lines = "".join(f"\n{json.dumps(tool, ensure_ascii=False)}" for tool in tools)
-    return f"{_TOOLS_PREAMBLE}{lines}\n{_TOOLS_FORMAT}"
+    return f"{_TOOLS_PREAMBLE}{lines}\n</tools>\n\n{fmt.instruction}"
 
 
 def template_inputs(
@@ -83,7 +78,7 @@ def _generic(
 ) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if tools:
-        block = tools_system_text(tools)
+        block = tools_system_text(tools, fmt)
         if messages[0].get("role") == "system":
             system = messages[0].get("content") or ""
             messages = messages[1:]

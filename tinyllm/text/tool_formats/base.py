@@ -11,6 +11,7 @@ from tinyllm.text.tool_calls import AnswerScan
 class ToolFormat:
     name: str  # as --tool-call-parser names it (vLLM's names)
     scan: type[AnswerScan]
+    instruction: str  # how to call, for a template that does not teach it (tool_prompt.py)
 
     def detect(self, template: str) -> bool:
         """Whether `template` (a chat template's source) teaches this format."""

@@ -11,6 +11,11 @@ from tinyllm.text.tool_grammar import tool_grammar
 class Hermes(ToolFormat):
     name = "hermes"
     scan = HermesScan
+    instruction = (
+        "For each function call, return a json object with function name and arguments within "
+        f"<tool_call></tool_call> XML tags:\n{CALL_START}\n"
+        f'{{"name": <function-name>, "arguments": <args-json-object>}}\n{CALL_END}'
+    )
 
     def detect(self, template: str) -> bool:
         return CALL_START in template

@@ -38,6 +38,10 @@ class Llama3JsonScan(JsonCallsScan):
 class Llama3Json(ToolFormat):
     name = "llama3_json"
     scan = Llama3JsonScan
+    instruction = (
+        "To call a function, answer with only a json object with its name and parameters:\n"
+        '{"name": <function-name>, "parameters": <args-json-object>}'
+    )
 
     def detect(self, template: str) -> bool:
         return PYTHON_TAG in template or "Environment: ipython" in template

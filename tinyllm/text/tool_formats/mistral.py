@@ -129,6 +129,10 @@ class MistralV11Scan(_Trigger, AnswerScan):
 class MistralV3(ToolFormat):
     name = "mistral"
     scan = MistralV3Scan
+    instruction = (
+        "To call functions, write them as a json list after [TOOL_CALLS]:\n"
+        '[TOOL_CALLS][{"name": <function-name>, "arguments": <args-json-object>}]'
+    )
 
     def detect(self, template: str) -> bool:
         return TOOL_CALLS in template
@@ -150,6 +154,10 @@ class MistralV3(ToolFormat):
 
 class MistralV11(MistralV3):
     scan = MistralV11Scan
+    instruction = (
+        "For each function call, write [TOOL_CALLS], its name, [ARGS] and its arguments:\n"
+        "[TOOL_CALLS]<function-name>[ARGS]<args-json-object>"
+    )
 
     def detect(self, template: str) -> bool:
         return TOOL_CALLS in template and ARGS in template
