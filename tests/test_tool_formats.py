@@ -9,6 +9,7 @@ import gguf
 import llguidance
 import pytest
 
+from tinyllm.text import tool_calls
 from tinyllm.text.tokenizer import Tokenizer
 from tinyllm.text.tool_calls import ToolCallStream, parse_tool_calls
 from tinyllm.text.tool_formats import (
@@ -202,3 +203,26 @@ def test_llama_calls_after_the_python_tag_and_text_that_is_not_a_call():
     prose = 'It is {"name": "add"} in JSON.'
     assert parse_tool_calls(prose, scan=LLAMA3_JSON.scan).content == prose
     assert parse_tool_calls('{"na', final=False, scan=LLAMA3_JSON.scan).content == ""
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: type(f).__name__)
+def test_a_long_call_streamed_in_small_pieces_is_read_once(fmt, monkeypatch):
+    # Every format reads a call's JSON values with _Value, which goes on from where it stopped.
+    read = 0
+    end = tool_calls._Value.end
+
+    def counting_end(self, text, stop):
+        nonlocal read
+        read += stop - self.next
+        return end(self, text, stop)
+
+    monkeypatch.setattr(tool_calls._Value, "end", counting_end)
+    arguments = {"text": 'a "quoted" word, {braces} [and] \\ ' * 150, "n": [1, 2.5]}
+    text = fmt.calls_text([("write", arguments)])
+    assert len(text) > 5000
+    stream, pieces = ToolCallStream(fmt.scan), [text[i : i + 3] for i in range(0, len(text), 3)]
+    sent = ""
+    for i, piece in enumerate(pieces):
+        sent += "".join(d.arguments for d in stream.feed(piece, final=i == len(pieces) - 1)[1])
+    assert json.loads(sent) == arguments
+    assert read <= len(text) + 100
