@@ -20,7 +20,13 @@ class Hermes(ToolFormat):
     def detect(self, template: str) -> bool:
         return CALL_START in template
 
-    def grammar(self, functions, choice, parallel, answer=None) -> str:
+    def grammar(
+        self,
+        functions: list[dict[str, Any]],
+        choice: str,
+        parallel: bool,
+        answer: dict[str, Any] | None = None,
+    ) -> str:
         return tool_grammar(functions, choice, parallel, answer)
 
     def calls_text(self, calls: list[tuple[str, Any]]) -> str:

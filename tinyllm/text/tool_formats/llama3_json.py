@@ -46,7 +46,13 @@ class Llama3Json(ToolFormat):
     def detect(self, template: str) -> bool:
         return PYTHON_TAG in template or "Environment: ipython" in template
 
-    def grammar(self, functions, choice, parallel, answer=None) -> str:
+    def grammar(
+        self,
+        functions: list[dict[str, Any]],
+        choice: str,
+        parallel: bool,
+        answer: dict[str, Any] | None = None,
+    ) -> str:
         more = f"({json.dumps(_SEPARATOR)} body)*" if parallel else ""
         rules = [
             f"calls: body {more}",

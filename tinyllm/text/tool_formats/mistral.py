@@ -137,7 +137,13 @@ class MistralV3(ToolFormat):
     def detect(self, template: str) -> bool:
         return TOOL_CALLS in template
 
-    def grammar(self, functions, choice, parallel, answer=None) -> str:
+    def grammar(
+        self,
+        functions: list[dict[str, Any]],
+        choice: str,
+        parallel: bool,
+        answer: dict[str, Any] | None = None,
+    ) -> str:
         more = '(", " body)*' if parallel else ""
         rest = f'"[" body {more} "]"'
         rules = [
@@ -162,7 +168,13 @@ class MistralV11(MistralV3):
     def detect(self, template: str) -> bool:
         return TOOL_CALLS in template and ARGS in template
 
-    def grammar(self, functions, choice, parallel, answer=None) -> str:
+    def grammar(
+        self,
+        functions: list[dict[str, Any]],
+        choice: str,
+        parallel: bool,
+        answer: dict[str, Any] | None = None,
+    ) -> str:
         more = "call*" if parallel else ""
         options = " | ".join(
             f"{json.dumps(f['name'])} {json.dumps(ARGS)} args{i}" for i, f in enumerate(functions)
