@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from tests.http_server import openai_client
@@ -91,11 +92,11 @@ def test_required_and_named_functions_always_call_with_valid_arguments(client, t
         assert_valid_calls(choice.message.tool_calls, allowed)
 
 
-def _streamed(client, prompt: str, tool_choice) -> tuple[str, list[dict], str]:
+def _streamed(client, prompt: str, tool_choice, **kw) -> tuple[str, list[dict], str]:
     """Content, calls and finish reason reassembled from the raw chunks, as OpenAI documents;
     each call's "pieces" counts the deltas its arguments came in."""
     content, calls, reason = "", [], None
-    for chunk in ask(client, prompt, tool_choice, stream=True):
+    for chunk in ask(client, prompt, tool_choice, stream=True, **kw):
         delta = chunk.choices[0].delta
         content += delta.content or ""
         for d in delta.tool_calls or []:
@@ -209,9 +210,9 @@ def test_bad_tool_requests_are_400s_naming_the_field(client):
         ),
         (dict(tools=[ADD, ADD]), "tools", "given twice"),
         (
-            dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}),
+            dict(tools=TOOLS, extra_body={"structured_outputs": {"regex": "a+"}}),
             "tool_choice",
-            "response_format or structured_outputs with tools",
+            "structured_outputs.regex with tools: only a JSON schema",
         ),
     ]
     for kw, param, message in cases:
@@ -240,3 +241,75 @@ def test_tokenize_renders_the_tools_as_chat_completions_do(client):
     with_tools = httpx.post(url, json={**body, "tools": TOOLS}).json()
     answer = ask(client, PROMPTS[0], "none", max_tokens=1)
     assert with_tools["count"] == answer.usage.prompt_tokens > plain["count"] + 50
+
+
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=24)
+    country: str = pydantic.Field(max_length=24)
+
+
+class Forecast(pydantic.BaseModel):
+    """Nested models: Pydantic writes them as $defs with $refs."""
+
+    city: City
+    days: int = pydantic.Field(ge=1, le=7)
+
+
+def test_tool_parameters_with_defs_and_refs_as_pydantic_writes_them(client):
+    tool = openai.pydantic_function_tool(Forecast)
+    assert "$defs" in tool["function"]["parameters"]  # what the client library sends
+    for stream in (False, True):
+        kw = dict(tools=[tool], tool_choice="required", temperature=0, max_tokens=MAX_TOKENS)
+        messages = [{"role": "user", "content": PROMPTS[0]}]
+        if stream:
+            with client.chat.completions.stream(model=client.model, messages=messages, **kw) as s:
+                choice = s.get_final_completion().choices[0]
+        else:
+            choice = client.chat.completions.create(model=client.model, messages=messages, **kw)
+            choice = choice.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        Forecast.model_validate_json(call.function.arguments)
+
+
+class Answer(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=24)
+    celsius: int = pydantic.Field(ge=-50, le=50)
+
+
+def test_response_format_beside_tools_is_calls_or_that_json(client):
+    # What the Agents SDK sends for Agent(output_type=..., tools=[...]).
+    tool = openai.pydantic_function_tool(Forecast)
+    for prompt in PROMPTS:
+        messages = [{"role": "user", "content": prompt}]
+        kw = dict(tools=[tool], temperature=0, max_tokens=MAX_TOKENS, response_format=Answer)
+        choice = client.chat.completions.parse(model=client.model, messages=messages, **kw)
+        choice = choice.choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls"
+            Forecast.model_validate_json(choice.message.tool_calls[0].function.arguments)
+        else:
+            assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Answer)
+        forced = client.chat.completions.parse(
+            model=client.model, messages=messages, tool_choice="required", **kw
+        ).choices[0]
+        assert forced.finish_reason == "tool_calls" and forced.message.tool_calls
+
+
+@pytest.mark.parametrize("max_tokens", [3, 8, 14])
+def test_a_call_cut_by_max_tokens_leaves_no_markup_in_the_content(client, max_tokens):
+    whole = ask(client, PROMPTS[0], "required", max_tokens=max_tokens).choices[0]
+    content, calls, reason = _streamed(client, PROMPTS[0], "required", max_tokens=max_tokens)
+    assert whole.finish_reason == reason == "length"
+    assert not whole.message.content and content == ""
+    expected = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    assert [(c["name"], c["arguments"]) for c in calls] == expected
+
+
+def test_a_stop_string_inside_a_forced_call_is_not_a_finished_call(client):
+    whole = ask(client, PROMPTS[0], "required", stop=["}"]).choices[0]
+    content, calls, reason = _streamed(client, PROMPTS[0], "required", stop=["}"])
+    # The call did not complete: OpenAI's "length", never "tool_calls".
+    assert whole.finish_reason == reason == "length"
+    assert not whole.message.content and content == ""
+    assert [c.function.name for c in whole.message.tool_calls] == [c["name"] for c in calls]

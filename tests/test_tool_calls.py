@@ -54,12 +54,14 @@ def test_arguments_before_the_name_and_compact_json():
     assert (call.name, call.arguments) == ("search", '{"q":"a, b"}')
 
 
-def test_a_call_cut_short_is_incomplete_and_a_body_without_a_name_is_text():
+def test_a_call_cut_short_is_incomplete_and_a_body_without_a_name_is_dropped():
     (call,) = parse_tool_calls('<tool_call>\n{"name": "add", "arguments": {"x": 1').calls
     assert (call.name, call.arguments, call.complete) == ("add", '{"x": 1', False)
+    # Markup never reaches the content: a begun call without a name is dropped with it.
     garbage = "Sure <tool_call> not json"
-    assert parse_tool_calls(garbage) == parse_tool_calls(garbage, final=True)
-    assert parse_tool_calls(garbage).content == garbage
+    assert parse_tool_calls(garbage) == parse_tool_calls(garbage, final=False)
+    assert parse_tool_calls(garbage) == Parsed("Sure", [])
+    assert parse_tool_calls('Hi <tool_call>\n{"name', cut=True) == Parsed("Hi", [])
 
 
 def test_unfinished_text_holds_back_what_may_start_a_call():
@@ -67,6 +69,10 @@ def test_unfinished_text_holds_back_what_may_start_a_call():
     assert parse_tool_calls("Hello <", final=False).content == "Hello"
     assert parse_tool_calls("Hello <b>", final=False).content == "Hello <b>"
     assert parse_tool_calls("Hello <tool_c", final=True).content == "Hello <tool_c"
+    # An answer max_tokens cut there may have been a call: not content either.
+    assert parse_tool_calls("Hello <tool_c", cut=True).content == "Hello"
+    assert parse_tool_calls("<tool_", cut=True).content == ""
+    assert parse_tool_calls("Hello <b>", cut=True).content == "Hello <b>"
 
 
 def _pieces(text: str, cuts: list[int]) -> list[str]:
@@ -130,7 +136,7 @@ def test_bad_json_in_a_call_is_no_name_not_an_error():
     # A number that runs into the brace, a bad escape: the model's text, which used to raise.
     for body in ['{"name": 1}', '{"name": "a\\q", "arguments": {}}']:
         text = f"<tool_call>{body}</tool_call>"
-        assert parse_tool_calls(text) == Parsed(text, [])
+        assert parse_tool_calls(text) == Parsed("", [])
         assert parse_tool_calls(text, final=False) == Parsed("", [])
     (call,) = parse_tool_calls('<tool_call>{"\\x": 1, "name": "f"}</tool_call>').calls
     assert (call.name, call.arguments, call.complete) == ("f", "", False)

@@ -94,3 +94,65 @@ def test_a_parameters_schema_that_does_not_compile_names_its_function():
     bad = {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "strin"}}}}
     with pytest.raises(ValueError, match=r"tools\.1\.function\.parameters \(f\): .*strin"):
         check_parameters([FUNCTIONS[0], bad])
+
+
+# What Pydantic writes for nested models: definitions under $defs, used by $ref.
+NESTED = {
+    "name": "greet",
+    "parameters": {
+        "$defs": {
+            "User": {
+                "type": "object",
+                "properties": {"name": {"type": "string"}, "pet": {"$ref": "#/$defs/Pet"}},
+                "required": ["name"],
+            },
+            "Pet": {"enum": ["cat", "dog"]},
+        },
+        "type": "object",
+        "properties": {"user": {"$ref": "#/$defs/User"}},
+        "required": ["user"],
+    },
+}
+# The older `definitions`, and a recursive schema whose `$ref` is the root itself.
+OLDER = {
+    "name": "tree",
+    "parameters": {
+        "definitions": {"Leaf": {"type": "integer"}},
+        "type": "object",
+        "properties": {
+            "value": {"$ref": "#/definitions/Leaf"},
+            "children": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2},
+        },
+        "required": ["value"],
+    },
+}
+
+
+def _call(name: str, arguments: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+
+def test_defs_and_refs_of_each_function_are_kept_apart(tokenizer):
+    # The same definition name in two functions means two things.
+    other = {
+        "name": "other",
+        "parameters": {
+            "$defs": {"User": {"type": "integer"}},
+            "type": "object",
+            "properties": {"user": {"$ref": "#/$defs/User"}},
+            "required": ["user"],
+        },
+    }
+    functions = [NESTED, OLDER, other]
+    check_parameters(functions)
+    grammar = tool_grammar(functions, "required", parallel=False)
+    for text, expected in [
+        (_call("greet", '{"user": {"name": "Ann", "pet": "cat"}}'), True),
+        (_call("greet", '{"user": {"name": "Ann", "pet": "cow"}}'), False),
+        (_call("greet", '{"user": 7}'), False),
+        (_call("other", '{"user": 7}'), True),
+        (_call("other", '{"user": {"name": "Ann"}}'), False),
+        (_call("tree", '{"value": 1, "children": [{"value": 2}]}'), True),
+        (_call("tree", '{"value": 1, "children": [{"value": "x"}]}'), False),
+    ]:
+        assert accepts(tokenizer, grammar, text) == expected, text

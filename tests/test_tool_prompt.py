@@ -2,11 +2,13 @@
 dict arguments); the default model's, which does not, gets the generic format."""
 
 import json
+from pathlib import Path
 
 import gguf
 import pytest
 
 from tinyllm.text.tokenizer import Tokenizer
+from tinyllm.text.tool_formats import tool_format
 from tinyllm.text.tool_prompt import template_reads_tools
 
 TOOLS = [
@@ -102,3 +104,41 @@ def test_arguments_that_are_not_json_are_refused(smollm):
     }
     with pytest.raises(ValueError, match=r"tool_calls\.0\.function\.arguments is not JSON"):
         smollm.encode_chat([EXCHANGE[0], bad], tools=TOOLS)
+
+
+TEMPLATES = Path(__file__).parent / "data" / "templates"
+# Each family's template with a whole tool round: how it writes the call in the history.
+WRITTEN = {
+    "meta-llama-Llama-3.3-70B-Instruct.jinja": '{"name": "get_weather", "parameters": {"city": '
+    '"Paris"}}',
+    "mistralai-Mistral-Nemo-Instruct-2407.jinja": '[TOOL_CALLS][{"name": "get_weather", '
+    '"arguments": {"city": "Paris"}, "id": "a1b2c3d4e"}]',
+    "unsloth-mistral-Devstral-Small-2507.jinja": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+    "Qwen-Qwen3-0.6B.jinja": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}',
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja": '"name": "get_weather"',
+}
+
+
+@pytest.mark.parametrize("name", WRITTEN)
+def test_each_familys_template_renders_a_tool_round(smollm, name):
+    # The call's message as clients send it back: content null (or left out), arguments text.
+    # Mistral's templates want 9-character call ids (the ids its format gives).
+    call = {**CALLED["tool_calls"][0], "id": "a1b2c3d4e"}
+    for content in ({"content": None}, {}):
+        called = {"role": "assistant", **content, "tool_calls": [call]}
+        result = {"role": "tool", "tool_call_id": "a1b2c3d4e", "content": "18 C"}
+        tok = Tokenizer(
+            smollm.backend,
+            bos_token_id=None,
+            eos_token_ids=[0],
+            chat_template=(TEMPLATES / name).read_text(),
+        )
+        text, _ = tok.encode_chat([EXCHANGE[0], called, result], tools=TOOLS)
+        assert WRITTEN[name] in text and "18 C" in text and "None" not in text
+
+
+def test_a_named_format_on_a_template_without_tools_writes_its_own_calls(smollm):
+    llama = tool_format("llama3_json")
+    text, _ = smollm.encode_chat(EXCHANGE, tools=TOOLS, tool_format=llama)
+    assert llama.instruction in text and "<tool_call>" not in text
+    assert '{"name": "get_weather", "parameters": {"city": "Paris"}}' in text

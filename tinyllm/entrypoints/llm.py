@@ -1,6 +1,7 @@
 """The offline Python API: `LLM(model).generate(prompts, params)`, as vLLM users know it."""
 
 import dataclasses
+import json
 import logging
 import time
 
@@ -20,6 +21,7 @@ from tinyllm.loaders.model_loader import load_model
 from tinyllm.model.config import ModelLoadError
 from tinyllm.model.tensor_parallel import apply_tp
 from tinyllm.text.tool_calls import parse_tool_calls
+from tinyllm.text.tool_formats import tool_format
 from tinyllm.text.tool_grammar import tool_choice_grammar
 
 log = logging.getLogger("tinyllm")
@@ -78,6 +80,8 @@ class LLM:
         loaded = load_model(load_config, dev, 0, tp)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
+        # How tool calls are written: the chat template's format unless tool_call_parser names one.
+        self.tool_format = tool_format(own.tool_call_parser, self.tokenizer.chat_template)
         self.default_sampling = default_sampling(own.generation_config, loaded.path, loaded.reader)
         try:
             self.get_default_sampling_params()
@@ -145,32 +149,52 @@ class LLM:
 
         `tools` and `tool_choice` as OpenAI's API takes them ("none", "auto", "required" or
         {"type": "function", "function": {"name": ...}}): the tools go into the prompt, the
-        answer is constrained to well-formed calls (tinyllm.text.tool_grammar) and each
-        completion's `tool_calls` holds the calls parsed from its `text`. One call per answer
-        unless `parallel_tool_calls` (a small model allowed more tends to repeat its call)."""
+        answer is constrained to well-formed calls in the model's format (`self.tool_format`,
+        tinyllm.text.tool_formats) and each completion's `tool_calls` holds the calls parsed
+        from its `text`. One call per answer unless `parallel_tool_calls` (a small model allowed
+        more tends to repeat its call). A SamplingParams' JSON schema (or json_object)
+        structured output with tools: the answer is either calls or that JSON."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if not conversations:
             raise ValueError("no conversation given: pass a list of messages")
-        encoded = [self.tokenizer.encode_chat(c, tools=tools) for c in conversations]
+        encoded = [
+            self.tokenizer.encode_chat(c, tools=tools, tool_format=self.tool_format)
+            for c in conversations
+        ]
         if not tools:
             return self._submit(encoded, params, use_tqdm)
-        grammar = tool_choice_grammar(tools, tool_choice, parallel_tool_calls)
         if not isinstance(params, list):
             params = [params or self.get_default_sampling_params()] * len(encoded)
-        constraint = StructuredOutputsParams(grammar=grammar)
-        if tool_choice != "none" and any(p.structured_outputs is not None for p in params):
-            raise ValueError(
-                "SamplingParams.structured_outputs with tools: an answer cannot be both a call "
-                "and that; use tool_choice='none' or drop one"
-            )
-        params = [
-            p if p.structured_outputs else dataclasses.replace(p, structured_outputs=constraint)
-            for p in params
-        ]
-        outputs = self._submit(encoded, params, use_tqdm)
+        grammars: dict[str, StructuredOutputsParams] = {}
+
+        def with_tools(p: SamplingParams) -> SamplingParams:
+            own = p.structured_outputs
+            answer = None
+            if own is not None and tool_choice != "none":
+                answer = {"type": "object"} if own.json_object else own.json
+                if isinstance(answer, str):
+                    answer = json.loads(answer)
+                if answer is None:
+                    raise ValueError(
+                        "SamplingParams.structured_outputs with tools: only json or json_object "
+                        "combines with calls; use tool_choice='none' or drop one"
+                    )
+            key = json.dumps(answer)
+            if key not in grammars:
+                grammar = tool_choice_grammar(
+                    tools, tool_choice, parallel_tool_calls, self.tool_format, answer
+                )
+                grammars[key] = StructuredOutputsParams(grammar=grammar)
+            if own is not None and tool_choice == "none":  # the tools are only for the model
+                return p
+            return dataclasses.replace(p, structured_outputs=grammars[key])
+
+        outputs = self._submit(encoded, [with_tools(p) for p in params], use_tqdm)
         if tool_choice != "none":
             for completion in (c for out in outputs for c in out.outputs):
-                completion.tool_calls = parse_tool_calls(completion.text).calls
+                cut = completion.finish_reason == "length"
+                parsed = parse_tool_calls(completion.text, cut=cut, scan=self.tool_format.scan)
+                completion.tool_calls = parsed.calls
         return outputs
 
     def _submit(

@@ -15,6 +15,7 @@ from tinyllm.entrypoints.generation_config import (
 from tinyllm.host.options import option, option_fields
 from tinyllm.host.threads import default_threads
 from tinyllm.loaders.load_config import LoadConfig
+from tinyllm.text.tool_parsers import TOOL_CALL_PARSERS
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,20 @@ class LLMOptions:
         "neutral ones (temperature 1, 16 tokens)",
         choices=GENERATION_CONFIGS,
     )
+    tool_call_parser: str = option(
+        "auto",
+        "the format of tool calls (constrained and parsed); auto: the one the chat template "
+        "teaches, else hermes (<tool_call> blocks)",
+        choices=TOOL_CALL_PARSERS,
+    )
 
     def __post_init__(self) -> None:
         check_generation_config(self.generation_config)
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser: {self.tool_call_parser!r} is not one of "
+                f"{', '.join(TOOL_CALL_PARSERS)}"
+            )
 
 
 # Every option's class, in the order of the help: what to load, this process, the engine.

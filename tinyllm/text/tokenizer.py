@@ -10,6 +10,7 @@ import tokenizers
 from tinyllm.model.config import ModelLoadError
 from tinyllm.text.chat_template import render_chat_template
 from tinyllm.text.gguf_tokenizer import field, tokenizer_from_gguf
+from tinyllm.text.tool_formats import GENERIC, ToolFormat
 from tinyllm.text.tool_prompt import template_inputs
 
 # Control tokens that end a turn in common chat formats. llama.cpp stops on these whatever the
@@ -161,16 +162,18 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        tool_format: ToolFormat = GENERIC,
     ) -> tuple[str, list[int]]:
         """The chat template's text for `messages` and its token ids: the one place a
         conversation becomes a prompt (the Python API, the CLI and the server all call it).
         `tools` (OpenAI's tool objects) go to a template that reads them, else into the system
-        message in tinyllm's generic format (tinyllm.text.tool_prompt)."""
+        message in tinyllm's generic format (tinyllm.text.tool_prompt), calls written in
+        `tool_format`."""
         if not messages:
             raise ValueError("the conversation is empty: give at least one message")
         extra: dict[str, Any] = {}
         if self.chat_template is not None:
-            messages, extra = template_inputs(messages, tools, self.chat_template)
+            messages, extra = template_inputs(messages, tools, self.chat_template, tool_format)
         text = self.apply_chat_template(messages, add_generation_prompt, **extra)
         _check_text("messages", text)
         # The template writes any BOS itself, so the tokenizer must not add another.

@@ -1,13 +1,16 @@
-"""Tool calls in a model's answer: Hermes-style `<tool_call>{"name": ..., "arguments": {...}}
-</tool_call>` blocks (Qwen2.5/Qwen3's format, and tinyllm's generic one), parsed from the whole
-text or, while streaming, from the text so far.
+"""Tool calls in a model's answer, parsed from the whole text or, while streaming, from the text
+so far. The machinery here is shared by every format (tinyllm.text.tool_formats); the default
+scan reads Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks
+(Qwen2.5/Qwen3's format, and tinyllm's generic one).
 
 `parse_tool_calls(text, final=False)` only reports what can no longer change: content stops
-before a possible start of `<tool_call>` or trailing whitespace, a call's name once its string
-is closed, its arguments as far as they go. So `ToolCallStream`, which sends what is new since
-the last parse, reassembles to exactly the final parse.
+before a possible start of the format's trigger or trailing whitespace, a call's name once its
+string is closed, its arguments as far as they go. So `ToolCallStream`, which sends what is new
+since the last parse, reassembles to exactly the final parse. Once the trigger appears no markup
+reaches the content, nor does a possible start of it at the end of an answer cut by max_tokens
+(`cut`); a call that never got a name is dropped.
 
-Both read the text with `_AnswerScan`, which keeps where its reading stopped: a streamed delta
+Both read the text with an `AnswerScan`, which keeps where its reading stopped: a streamed delta
 is read once, not the whole answer again (which would be quadratic in a long call's length).
 """
 
@@ -40,16 +43,24 @@ class Parsed:
     calls: list[ToolCall]
 
 
-def parse_tool_calls(text: str, final: bool = True) -> Parsed:
-    """Content and calls of `text`; `final=False` for text that may still grow."""
-    scan = _AnswerScan()
-    scan.extend(text)
+def parse_tool_calls(
+    text: str, final: bool = True, cut: bool = False, scan: "type[AnswerScan] | None" = None
+) -> Parsed:
+    """Content and calls of `text`; `final=False` for text that may still grow, `cut` for an
+    answer that max_tokens ended; `scan`: the format's (default: `<tool_call>` blocks)."""
+    answer = (scan or HermesScan)()
+    answer.extend(text)
     calls = [
-        ToolCall(c.function, text[slice(*c.arguments_span(text))], complete=c.complete)
-        for c in scan.calls
+        ToolCall(
+            c.function,
+            text[slice(*c.arguments_span(text))],
+            id=answer.call_id(),
+            complete=c.complete,
+        )
+        for c in answer.calls
         if c.function is not None
     ]
-    return Parsed(text[: scan.content_end(final, bool(calls))], calls)
+    return Parsed(text[: answer.content_end(final, cut)], calls)
 
 
 class _Value:
@@ -104,9 +115,11 @@ class _CallScan:
     (once its string is closed) and where the arguments' raw JSON starts and (once it does)
     ends. `scan` goes on from where the last one stopped."""
 
-    def __init__(self, start: int) -> None:
+    def __init__(self, start: int, arguments_key: str = "arguments") -> None:
         self.start = start  # where the body starts, after <tool_call>
-        self.stop = -1  # where </tool_call> starts, once seen
+        self.stop = -1  # where </tool_call> starts (or, in a list of calls, the body ends)
+        self.closed: int | None = None  # where the object's closing brace ends, once read
+        self.arguments_key = arguments_key  # "parameters" in Llama's calls
         self.next = start  # the next character to take
         self.expect = _OBJECT
         self.key: Any = None
@@ -150,7 +163,7 @@ class _CallScan:
                 else:
                     if self.key == "name":
                         self.name = _decoded(text[self.value.start : end])
-                    elif self.key == "arguments":
+                    elif self.key == self.arguments_key:
                         self.arguments_end = end
                     expect = _COMMA
                 self.value, i = None, end
@@ -164,63 +177,93 @@ class _CallScan:
                 expect = _DONE
             elif expect in (_KEY, _VALUE):
                 self.value = _Value(i)  # which reads c itself
-                if expect == _VALUE and self.key == "arguments":
+                if expect == _VALUE and self.key == self.arguments_key:
                     self.arguments, self.arguments_end = i, None
                 continue
             elif expect == _COLON:
                 expect = _VALUE if c == ":" else _DONE
             else:
                 expect = _KEY if c == "," else _DONE
+                if c == "}":
+                    self.closed = i + 1
             i += 1
         self.next, self.expect = i, expect
 
 
-class _AnswerScan:
-    """An answer's calls, read as far as its text goes; `extend` reads only what is new (and
-    the few characters before it that a tag may have begun in)."""
+class AnswerScan:
+    """An answer's calls, read as far as its text goes: the base every format's scan extends.
+    `extend` reads only what is new; `trigger_at` is where the calls begin (the content ends),
+    once seen; `calls` hold each begun call (with `function`, `complete`, `stop` >= 0 once it
+    is finished, and `arguments_span`)."""
 
     def __init__(self) -> None:
         self.text = ""
-        self.calls: list[_CallScan] = []  # every <tool_call> body, with a name or not
-        self.search_from = 0  # for </tool_call> while the last call is open, else <tool_call>
+        self.calls: list[Any] = []
+        self.trigger_at = -1
+
+    def extend(self, delta: str) -> None:
+        raise NotImplementedError
+
+    def held_back(self) -> int:
+        """How much of the text's end may still turn out to begin the calls."""
+        raise NotImplementedError
+
+    def call_id(self) -> str:
+        return new_call_id()
+
+    def content_end(self, final: bool, cut: bool = False, known: int = 0) -> int:
+        """Where the content ends; `cut`: max_tokens ended the answer, so what may have begun a
+        call is not text either. `known`: an end it reaches already (content only grows), so
+        that only the text after it is stripped."""
+        text = self.text
+        if self.trigger_at >= 0:  # text before the calls, which is final
+            end = self.trigger_at
+        elif final and not cut:
+            return len(text)
+        else:  # less what could still turn out to be the start of a call
+            end = len(text) - self.held_back()
+        return known + len(text[known:end].rstrip(_WHITESPACE))
+
+
+class HermesScan(AnswerScan):
+    """`<tool_call>` blocks: a call ends at `</tool_call>` outside its JSON strings."""
+
+    start_tag, end_tag = CALL_START, CALL_END
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.search_from = 0  # for the end tag while the last call is open, else the start tag
+
+    def held_back(self) -> int:
+        return _partial_tag(self.text, self.start_tag)
 
     def extend(self, delta: str) -> None:
         self.text += delta
-        text = self.text
+        text, start_tag, end_tag = self.text, self.start_tag, self.end_tag
         while True:
             if self.calls and self.calls[-1].stop < 0:
                 call = self.calls[-1]
-                end = text.find(CALL_END, self.search_from)
+                end = text.find(end_tag, self.search_from)
                 if end < 0:
-                    self.search_from = max(self.search_from, len(text) - len(CALL_END) + 1)
-                    # Not into what may begin </tool_call>: whether it ends the call depends on
+                    self.search_from = max(self.search_from, len(text) - len(end_tag) + 1)
+                    # Not into what may begin the end tag: whether it ends the call depends on
                     # the body's state before it (in_string_at), so it is read only once whole.
-                    call.scan(text, len(text) - _partial_tag(text, CALL_END))
+                    call.scan(text, len(text) - _partial_tag(text, end_tag))
                     return
                 if call.in_string_at(text, end):
                     self.search_from = end + 1
                     continue
                 call.stop = end
-                self.search_from = end + len(CALL_END)
+                self.search_from = end + len(end_tag)
             else:
-                start = text.find(CALL_START, self.search_from)
+                start = text.find(start_tag, self.search_from)
                 if start < 0:
-                    self.search_from = max(self.search_from, len(text) - len(CALL_START) + 1)
+                    self.search_from = max(self.search_from, len(text) - len(start_tag) + 1)
                     return
-                self.calls.append(_CallScan(start + len(CALL_START)))
-                self.search_from = start + len(CALL_START)
-
-    def content_end(self, final: bool, any_calls: bool, known: int = 0) -> int:
-        """Where the content ends, given whether any call has a name; `known`: an end it
-        reaches already (content only grows), so that only the text after it is stripped."""
-        text = self.text
-        if final and not any_calls:  # no call, or none that names a function: all of it is text
-            return len(text)
-        if self.calls:  # text before the first call, which is final
-            end = self.calls[0].start - len(CALL_START)
-        else:  # less what could still turn out to be the start of a call
-            end = len(text) - _partial_tag(text, CALL_START)
-        return known + len(text[known:end].rstrip(_WHITESPACE))
+                if self.trigger_at < 0:
+                    self.trigger_at = start
+                self.calls.append(_CallScan(start + len(start_tag)))
+                self.search_from = start + len(start_tag)
 
 
 def _partial_tag(text: str, tag: str) -> int:
@@ -242,17 +285,23 @@ class CallDelta:
 
 
 class ToolCallStream:
-    """Turns a streamed answer into content deltas and `CallDelta`s, as OpenAI streams them."""
+    """Turns a streamed answer into content deltas and `CallDelta`s, as OpenAI streams them;
+    `scan`: the format's (default: `<tool_call>` blocks)."""
 
-    def __init__(self) -> None:
-        self.scan = _AnswerScan()
+    def __init__(self, scan: type[AnswerScan] | None = None) -> None:
+        self.scan = (scan or HermesScan)()
         self.content_sent = 0
         self.ids: list[str] = []  # of the calls begun so far
         self.arguments_sent: list[int] = []  # how much of each one's arguments
         self.settled = 0  # scan.calls before this one are finished, and their deltas sent
         self.settled_named = 0  # how many of those have a name
 
-    def feed(self, delta: str, final: bool) -> tuple[str, list[CallDelta]]:
+    @property
+    def all_complete(self) -> bool:
+        """Whether every named call so far is whole (none was cut by max_tokens or a stop)."""
+        return all(c.complete for c in self.scan.calls if c.function is not None)
+
+    def feed(self, delta: str, final: bool, cut: bool = False) -> tuple[str, list[CallDelta]]:
         self.scan.extend(delta)
         text, calls = self.scan.text, self.scan.calls
         out = []
@@ -261,7 +310,7 @@ class ToolCallStream:
             if call.function is None:
                 continue
             if index == len(self.ids):
-                self.ids.append(new_call_id())
+                self.ids.append(self.scan.call_id())
                 self.arguments_sent.append(0)
                 out.append(CallDelta(index, "", id=self.ids[index], name=call.function))
             start, stop = call.arguments_span(text)
@@ -272,7 +321,7 @@ class ToolCallStream:
         while self.settled < len(calls) and calls[self.settled].stop >= 0:
             self.settled_named += calls[self.settled].function is not None
             self.settled += 1
-        end = self.scan.content_end(final, index > 0, self.content_sent)
+        end = self.scan.content_end(final, cut, self.content_sent)
         content = text[self.content_sent : end]
         self.content_sent = end
         return content, out

@@ -4,7 +4,8 @@ A template that reads `tools` (Qwen2.5/Qwen3, Hermes, Llama 3.1...) gets them as
 them, and assistant `tool_calls` with their arguments as dicts (what Hugging Face templates
 expect). A template that does not (the default model's) gets tinyllm's generic format, the one
 Qwen's templates write: the tools in the system message, calls as `<tool_call>` blocks in the
-assistant's text, tool results as a user turn of `<tool_response>` blocks.
+assistant's text, tool results as a user turn of `<tool_response>` blocks (calls and the
+instruction in another format where --tool-call-parser names one).
 """
 
 import json
@@ -14,16 +15,11 @@ from typing import Any
 import jinja2
 from jinja2 import meta
 
-from tinyllm.text.tool_calls import CALL_END, CALL_START
+from tinyllm.text.tool_formats import GENERIC, ToolFormat
 
 _TOOLS_PREAMBLE = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
-)
-_TOOLS_FORMAT = (
-    "</tools>\n\nFor each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags:\n"
-    f'{CALL_START}\n{{"name": <function-name>, "arguments": <args-json-object>}}\n{CALL_END}'
 )
 
 
@@ -36,26 +32,24 @@ def template_reads_tools(template: str) -> bool:
         return False  # rendering it will say what is wrong
 
 
-def tools_system_text(tools: list[dict[str, Any]]) -> str:
-    """The generic format's system-message block: one JSON line per tool."""
+def tools_system_text(tools: list[dict[str, Any]], fmt: ToolFormat = GENERIC) -> str:
+    """The generic system-message block: one JSON line per tool, then how `fmt` calls."""
     lines = "".join(f"\n{json.dumps(tool, ensure_ascii=False)}" for tool in tools)
-    return f"{_TOOLS_PREAMBLE}{lines}\n{_TOOLS_FORMAT}"
-
-
-def call_text(name: str, arguments: Any) -> str:
-    """One call as the generic format (and Qwen) writes it."""
-    body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
-    return f"{CALL_START}\n{body}\n{CALL_END}"
+    return f"{_TOOLS_PREAMBLE}{lines}\n</tools>\n\n{fmt.instruction}"
 
 
 def template_inputs(
-    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, template: str
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    template: str,
+    fmt: ToolFormat = GENERIC,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The messages and extra variables to render `template` with."""
+    """The messages and extra variables to render `template` with; `fmt`: how calls in the
+    history are written where the template does not render them."""
     messages = [_with_dict_arguments(m) for m in messages]
     if template_reads_tools(template):
         return messages, ({"tools": tools} if tools else {})
-    return _generic(messages, tools), {}
+    return _generic(messages, tools, fmt), {}
 
 
 def _with_dict_arguments(message: dict[str, Any]) -> dict[str, Any]:
@@ -74,15 +68,17 @@ def _with_dict_arguments(message: dict[str, Any]) -> dict[str, Any]:
                     f"{function['arguments'][:80]!r}"
                 ) from None
         parsed.append({**call, "function": function})
-    return {**message, "tool_calls": parsed}
+    # A call's message as text "" where the client sent null or nothing: templates index or
+    # print it (Devstral's fails on a missing one, Hermes 3 would write "None").
+    return {**message, "content": message.get("content") or "", "tool_calls": parsed}
 
 
 def _generic(
-    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, fmt: ToolFormat
 ) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if tools:
-        block = tools_system_text(tools)
+        block = tools_system_text(tools, fmt)
         if messages[0].get("role") == "system":
             system = messages[0].get("content") or ""
             messages = messages[1:]
@@ -97,11 +93,10 @@ def _generic(
             else:
                 out.append({"role": "user", "content": response})
         elif m.get("tool_calls"):
-            calls = [
-                call_text(c["function"]["name"], c["function"]["arguments"])
-                for c in m["tool_calls"]
-            ]
-            text = "\n".join(([m["content"]] if m.get("content") else []) + calls)
+            calls = fmt.calls_text(
+                [(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
+            )
+            text = "\n".join(([m["content"]] if m.get("content") else []) + [calls])
             out.append({"role": m["role"], "content": text})
         else:
             out.append(m)

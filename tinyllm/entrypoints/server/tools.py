@@ -1,11 +1,15 @@
 """Tool calling on /v1/chat/completions: the request's tools and tool_choice into a prompt and a
-grammar; the answer's `<tool_call>` blocks into OpenAI's `tool_calls`, whole or streamed."""
+grammar in the model's tool-call format (tinyllm.text.tool_formats); the answer's calls into
+OpenAI's `tool_calls`, whole or streamed. No markup reaches the content, and a call that did not
+complete (cut by max_tokens or a stop string) finishes with "length", never "tool_calls"."""
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from tinyllm.engine.structured_output.params import StructuredOutputsParams
+from tinyllm.entrypoints.server.engine_requests import request_constraint
 from tinyllm.entrypoints.server.errors import APIError
 from tinyllm.entrypoints.server.protocol import (
     AssistantMessage,
@@ -17,7 +21,8 @@ from tinyllm.entrypoints.server.protocol import (
     ToolCallOut,
 )
 from tinyllm.text.tool_calls import ToolCallStream, parse_tool_calls
-from tinyllm.text.tool_grammar import tool_choice_grammar
+from tinyllm.text.tool_formats import GENERIC, ToolFormat
+from tinyllm.text.tool_grammar import check_answer, tool_choice_grammar
 
 
 @dataclass
@@ -25,64 +30,98 @@ class ToolPlan:
     tools: list[dict[str, Any]] | None  # for the chat template
     constraint: StructuredOutputsParams | None  # None: tools are not what constrains the answer
     parse: bool  # whether answers are parsed for calls
+    format: ToolFormat = GENERIC  # the calls' format, for ToolDeltas and tool_message
 
 
-def plan_tools(req: ChatCompletionRequest, constrained: bool) -> ToolPlan:
-    """`constrained`: the request has its own response_format or structured_outputs, which
-    only tool_choice none leaves room for (an answer cannot be both a call and that JSON)."""
+def plan_tools(
+    req: ChatCompletionRequest, constrained: bool, fmt: ToolFormat = GENERIC
+) -> ToolPlan:
+    """`constrained`: the request has its own response_format or structured_outputs. A JSON
+    schema (or json_object) there goes into the tools' grammar: the answer is either calls or
+    that JSON (OpenAI's way); other constraints leave room for tool_choice none only. `fmt`:
+    the model's tool-call format (LLM.tool_format)."""
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none"):
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
-        return ToolPlan(None, None, False)
+        return ToolPlan(None, None, False, fmt)
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
     if choice is None:
         choice = "auto"
     elif not isinstance(choice, str):
         choice = choice.model_dump()
+    own = request_constraint(req) if constrained else None
+    if own is not None and choice == "none":
+        # Rendered for the model to know, never called: the request's constraint applies.
+        _grammar(tools, choice, req, fmt, None)
+        return ToolPlan(tools, None, False, fmt)
+    answer = None
+    if own is not None:
+        answer = _answer_schema(own.params)
+        if answer is None:
+            raise APIError(
+                400,
+                f"{own.where} with tools: only a JSON schema or json_object combines with "
+                "calls; give tool_choice none, or drop one",
+                param="tool_choice",
+            )
+        try:
+            check_answer(answer)
+        except ValueError as e:
+            raise APIError(400, f"{own.where}: {e}", param=own.where.split(".")[0]) from e
+    grammar = _grammar(tools, choice, req, fmt, answer)
+    return ToolPlan(tools, StructuredOutputsParams(grammar=grammar), choice != "none", fmt)
+
+
+def _answer_schema(params: StructuredOutputsParams) -> dict[str, Any] | None:
+    if params.json_object:
+        return {"type": "object"}
+    if isinstance(params.json, str):
+        try:
+            return json.loads(params.json)
+        except ValueError:
+            return None
+    return params.json
+
+
+def _grammar(tools, choice, req: ChatCompletionRequest, fmt: ToolFormat, answer) -> str:
     try:
-        grammar = tool_choice_grammar(tools, choice, bool(req.parallel_tool_calls))
+        return tool_choice_grammar(tools, choice, bool(req.parallel_tool_calls), fmt, answer)
     except ValueError as e:  # "tools.1.function.parameters (f): ..." or "tool_choice: ..."
         raise APIError(400, str(e), param=re.match(r"\w+", str(e)).group()) from e
-    if choice == "none":
-        # Rendered for the model to know, never called.
-        return ToolPlan(
-            tools, None if constrained else StructuredOutputsParams(grammar=grammar), False
-        )
-    if constrained:
-        raise APIError(
-            400,
-            "response_format or structured_outputs with tools: give tool_choice none, or drop one",
-            param="tool_choice",
-        )
-    return ToolPlan(tools, StructuredOutputsParams(grammar=grammar), True)
 
 
-def finish_reason(reason: str | None, has_calls: bool) -> str | None:
-    return "tool_calls" if has_calls and reason == "stop" else reason
+def finish_reason(reason: str | None, has_calls: bool, complete: bool = True) -> str | None:
+    """ "tool_calls" for an answer that ended with its calls; "length" where one is incomplete
+    (a stop string inside it), as OpenAI reports a call cut short."""
+    if has_calls and reason == "stop":
+        return "tool_calls" if complete else "length"
+    return reason
 
 
-def tool_message(text: str, reason: str | None) -> tuple[AssistantMessage, str | None]:
+def tool_message(
+    text: str, reason: str | None, fmt: ToolFormat = GENERIC
+) -> tuple[AssistantMessage, str | None]:
     """The whole answer as a message with its calls, and its finish reason."""
-    parsed = parse_tool_calls(text)
+    parsed = parse_tool_calls(text, cut=reason == "length", scan=fmt.scan)
     if not parsed.calls:
-        return AssistantMessage(content=text), reason
+        return AssistantMessage(content=parsed.content), reason
     calls = [
         ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
         for c in parsed.calls
     ]
     message = AssistantMessage(content=parsed.content or None, tool_calls=calls)
-    return message, finish_reason(reason, True)
+    return message, finish_reason(reason, True, all(c.complete for c in parsed.calls))
 
 
 class ToolDeltas:
     """One streamed choice: each engine delta into an OpenAI delta (None: nothing to send yet)."""
 
-    def __init__(self) -> None:
-        self.stream = ToolCallStream()
+    def __init__(self, fmt: ToolFormat = GENERIC) -> None:
+        self.stream = ToolCallStream(fmt.scan)
 
     def delta(self, text: str, reason: str | None) -> tuple[Delta | None, str | None]:
-        content, calls = self.stream.feed(text, final=reason is not None)
+        content, calls = self.stream.feed(text, reason is not None, cut=reason == "length")
         tool_calls = [
             ToolCallDelta(
                 index=d.index,
@@ -92,7 +131,7 @@ class ToolDeltas:
             )
             for d in calls
         ]
-        reason = finish_reason(reason, bool(self.stream.ids))
+        reason = finish_reason(reason, bool(self.stream.ids), self.stream.all_complete)
         if not content and not tool_calls:
             return None, reason
         return Delta(content=content or None, tool_calls=tool_calls or None), reason
