@@ -90,6 +90,8 @@ def test_ignored_fields_lists_unknown_fields_inside_nested_objects():
         {
             "messages": [
                 {"role": "system", "content": "Be brief."},
+                # an earlier answer sent back as the openai SDK dumps it: nothing unknown
+                {"role": "assistant", "content": "Hi", "refusal": None, "annotations": []},
                 {"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {}}]},
             ],
             "tools": [{"type": "function", "function": {**WEATHER, "examples": []}}],
@@ -99,7 +101,7 @@ def test_ignored_fields_lists_unknown_fields_inside_nested_objects():
         }
     )
     assert sorted(req.ignored_fields()) == [
-        "messages.1.content.0.cache_control",
+        "messages.2.content.0.cache_control",
         "response_format.json_schema.x",
         "store",
         "stream_options.continuous",
@@ -172,6 +174,10 @@ def test_legacy_functions_and_tools_together_are_a_400(client):
             functions=[WEATHER],
             tools=[{"type": "function", "function": WEATHER}],
         )
+    with pytest.raises(openai.BadRequestError, match="function_call names 'f', but no functions"):
+        chat(client, "Hi", function_call={"name": "f"})
+    # "auto" with no functions is a plain chat
+    assert chat(client, "Hi", function_call="auto", max_tokens=3).choices[0].message.content
 
 
 def test_legacy_function_call_answers_with_function_call(client):

@@ -139,6 +139,11 @@ class ChatMessage(_Request):
     # The legacy functions API: an assistant's earlier call (role "function" answers it, with
     # the function's name). ChatCompletionRequest reads both as tool calls and tool messages.
     function_call: FunctionCall | None = None
+    # Response fields the openai SDK keeps when a client sends an earlier answer back: read and
+    # ignored, not logged as unknown.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any = None
 
 
 class FunctionDefinition(_Request):
@@ -195,22 +200,24 @@ class ChatCompletionRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _functions_as_tools(self) -> "ChatCompletionRequest":
+        if any(m.function_call is not None or m.role == "function" for m in self.messages):
+            self.messages = _legacy_messages_as_tool_messages(self.messages)
         if self.functions is None and self.function_call is None:
-            if any(m.function_call is not None or m.role == "function" for m in self.messages):
-                self.messages = _legacy_messages_as_tool_messages(self.messages)
             return self
         if self.tools is not None or self.tool_choice is not None:
             raise ValueError("give functions and function_call, or tools and tool_choice, not both")
         self._legacy_functions = True
-        if self.functions:
-            self.tools = [Tool(type="function", function=f) for f in self.functions]
+        self.parallel_tool_calls = False  # the legacy API answers with one call at most
         choice = self.function_call
+        if not self.functions:
+            if isinstance(choice, FunctionName):
+                raise ValueError(f"function_call names {choice.name!r}, but no functions are given")
+            return self  # "none" or "auto" with nothing to call: a plain chat
+        self.tools = [Tool(type="function", function=f) for f in self.functions]
         if isinstance(choice, FunctionName):
             self.tool_choice = NamedToolChoice(type="function", function=choice)
         else:
             self.tool_choice = choice
-        self.parallel_tool_calls = False  # the legacy API answers with one call at most
-        self.messages = _legacy_messages_as_tool_messages(self.messages)
         return self
 
 
