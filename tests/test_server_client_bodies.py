@@ -61,7 +61,7 @@ def test_models_retrieve_gives_the_card_and_a_404_naming_another_id(client):
 @pytest.mark.parametrize(
     "fmt",
     [
-        {"type": "json_object", "schema": PERSON},  # instructor (older), Together, Anyscale
+        {"type": "json_object", "schema": PERSON},  # Together-, Fireworks-style
         {"type": "json_schema", "json_schema": {"schema": PERSON}},  # no name: llama.cpp's docs
         {"type": "json_schema", "schema": PERSON},
     ],

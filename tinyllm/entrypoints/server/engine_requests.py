@@ -94,8 +94,8 @@ def request_constraint(req: SamplingRequest) -> Constraint | None:
 
 def _response_schema(fmt: ResponseFormat) -> tuple[dict | None, str]:
     """The schema a json_object or json_schema response_format asks for, and where it was:
-    OpenAI's `json_schema.schema`, or a `schema` beside the type (instructor sends it with
-    json_object; llama.cpp and vLLM honour it)."""
+    OpenAI's `json_schema.schema`, or a `schema` beside the type (clients written for
+    Together's or Fireworks' API send it with json_object; llama.cpp and vLLM honour it)."""
     inner = fmt.json_schema.schema_ if fmt.json_schema is not None else None
     if inner is not None and fmt.schema_ is not None:
         raise APIError(

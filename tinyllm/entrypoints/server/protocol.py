@@ -67,8 +67,8 @@ class JsonSchemaFormat(_Request):
 class ResponseFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
-    # Not OpenAI's: a schema beside the type, as instructor sends with json_object and
-    # llama.cpp and vLLM honour.
+    # Not OpenAI's: a schema beside the type, as Together's and Fireworks' APIs take it with
+    # json_object (and clients written for them send it); llama.cpp and vLLM honour it too.
     schema_: dict[str, Any] | None = Field(None, alias="schema")
 
 
