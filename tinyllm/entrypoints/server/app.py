@@ -101,10 +101,18 @@ def create_app(
         """Forget every cached prompt block (behind the API key, as vLLM's route)."""
         return {"num_blocks_forgotten": await engine_loop.reset_prefix_cache()}
 
+    def model_card() -> ModelCard:
+        return ModelCard(id=llm.model_name, created=started, max_model_len=max_model_len)
+
     @app.get("/v1/models")
     async def models() -> ModelList:
-        card = ModelCard(id=llm.model_name, created=started, max_model_len=max_model_len)
-        return ModelList(data=[card])
+        return ModelList(data=[model_card()])
+
+    # :path: a model's name may hold slashes ("HuggingFaceTB/SmolLM2-135M-Instruct").
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        chat.check_model(model_id)
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:

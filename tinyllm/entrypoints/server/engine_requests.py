@@ -16,6 +16,7 @@ from tinyllm.entrypoints.server.errors import APIError, invalid_params
 from tinyllm.entrypoints.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
+    ResponseFormat,
     SamplingRequest,
     TokenIds,
 )
@@ -85,16 +86,32 @@ def request_constraint(req: SamplingRequest) -> Constraint | None:
             raise APIError(400, f"structured_outputs{message}", param="structured_outputs") from e
     if fmt is None or fmt.type == "text":
         return None
-    if fmt.type == "json_object":
+    schema, where = _response_schema(fmt)
+    if schema is None:  # json_object without a schema: any JSON object
         return Constraint(StructuredOutputsParams(json_object=True), "response_format")
-    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+    return Constraint(StructuredOutputsParams(json=schema), where)
+
+
+def _response_schema(fmt: ResponseFormat) -> tuple[dict | None, str]:
+    """The schema a json_object or json_schema response_format asks for, and where it was:
+    OpenAI's `json_schema.schema`, or a `schema` beside the type (clients written for
+    Together's or Fireworks' API send it with json_object; llama.cpp and vLLM honour it)."""
+    inner = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+    if inner is not None and fmt.schema_ is not None:
+        raise APIError(
+            400,
+            "response_format: give json_schema.schema or schema, not both",
+            param="response_format",
+        )
+    if inner is not None:
+        return inner, "response_format.json_schema.schema"
+    if fmt.schema_ is None and fmt.type == "json_schema":
         raise APIError(
             400,
             "response_format: type json_schema needs json_schema.schema",
             param="response_format",
         )
-    schema = fmt.json_schema.schema_
-    return Constraint(StructuredOutputsParams(json=schema), "response_format.json_schema.schema")
+    return fmt.schema_, "response_format.schema"
 
 
 def chat_prompt(

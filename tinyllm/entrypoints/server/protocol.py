@@ -5,7 +5,7 @@ Optional parameters accept `null` as "the default", as OpenAI's API does.
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 TokenIds = list[int]
 # A few stop strings are all anyone needs, and each one costs the engine work on every token.
@@ -33,13 +33,31 @@ class _Request(BaseModel):
     # refused, clients send many) so the server can log which ones it ignored.
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
+    def ignored_fields(self) -> list[str]:
+        """The fields this request carries that nothing reads, as dotted paths
+        ("response_format.json_schema.foo", "messages.2.bar"): its own and those inside the
+        objects it holds, for the server to log."""
+        found = list(self.model_extra or ())
+        for name in type(self).model_fields:
+            found += _ignored_in(getattr(self, name), name)
+        return found
+
+
+def _ignored_in(value: Any, path: str) -> list[str]:
+    if isinstance(value, _Request):
+        return [f"{path}.{field}" for field in value.ignored_fields()]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _ignored_in(v, f"{path}.{i}")]
+    return []
+
 
 class StreamOptions(_Request):
     include_usage: bool | None = None
 
 
 class JsonSchemaFormat(_Request):
-    name: str = Field(min_length=1, max_length=64)
+    # OpenAI requires a name; clients written for llama.cpp or vLLM leave it out.
+    name: str | None = Field(None, min_length=1, max_length=64)
     description: str | None = None
     # "schema" would shadow pydantic's own BaseModel.schema.
     schema_: dict[str, Any] | None = Field(None, alias="schema")
@@ -49,6 +67,9 @@ class JsonSchemaFormat(_Request):
 class ResponseFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    # Not OpenAI's: a schema beside the type, as Together's and Fireworks' APIs take it with
+    # json_object (and clients written for them send it); llama.cpp and vLLM honour it too.
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
 
 
 class StructuredOutputsRequest(_Request):
@@ -115,6 +136,14 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # role "tool": the call it answers
+    # The legacy functions API: an assistant's earlier call (role "function" answers it, with
+    # the function's name). ChatCompletionRequest reads both as tool calls and tool messages.
+    function_call: FunctionCall | None = None
+    # Response fields the openai SDK keeps when a client sends an earlier answer back: read and
+    # ignored, not logged as unknown.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any = None
 
 
 class FunctionDefinition(_Request):
@@ -151,6 +180,61 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # The legacy functions API (OpenAI's before tools, which older clients still send): read
+    # as `tools` and `tool_choice` with one call at most; `legacy_functions` says it was used.
+    functions: Annotated[list[FunctionDefinition], Field(max_length=128)] | None = None
+    function_call: Literal["none", "auto"] | FunctionName | None = None
+    _legacy_functions: bool = PrivateAttr(False)
+
+    @property
+    def legacy_functions(self) -> bool:
+        """Whether the request used the legacy functions API, whose answer names its call in
+        `message.function_call` rather than `tool_calls`."""
+        return self._legacy_functions
+
+    def ignored_fields(self) -> list[str]:
+        found = super().ignored_fields()
+        if self._legacy_functions:  # its tools are its functions: named once, as sent
+            found = [f for f in found if not f.startswith("tools.")]
+        return found
+
+    @model_validator(mode="after")
+    def _functions_as_tools(self) -> "ChatCompletionRequest":
+        if any(m.function_call is not None or m.role == "function" for m in self.messages):
+            self.messages = _legacy_messages_as_tool_messages(self.messages)
+        if self.functions is None and self.function_call is None:
+            return self
+        if self.tools is not None or self.tool_choice is not None:
+            raise ValueError("give functions and function_call, or tools and tool_choice, not both")
+        self._legacy_functions = True
+        self.parallel_tool_calls = False  # the legacy API answers with one call at most
+        choice = self.function_call
+        if not self.functions:
+            if isinstance(choice, FunctionName):
+                raise ValueError(f"function_call names {choice.name!r}, but no functions are given")
+            return self  # "none" or "auto" with nothing to call: a plain chat
+        self.tools = [Tool(type="function", function=f) for f in self.functions]
+        if isinstance(choice, FunctionName):
+            self.tool_choice = NamedToolChoice(type="function", function=choice)
+        else:
+            self.tool_choice = choice
+        return self
+
+
+def _legacy_messages_as_tool_messages(messages: list[ChatMessage]) -> list[ChatMessage]:
+    """An assistant's `function_call` as its one tool call, and a role "function" message as
+    the "tool" message answering the latest call of that name (legacy calls carry no ids)."""
+    out, call_ids = [], {}
+    for i, m in enumerate(messages):
+        if m.function_call is not None:
+            call_ids[m.function_call.name] = f"call_{i}"
+            call = ToolCall(id=f"call_{i}", function=m.function_call)
+            m = m.model_copy(update={"function_call": None, "tool_calls": [call]})
+        elif m.role == "function":
+            update = {"role": "tool", "tool_call_id": call_ids.get(m.name or "", f"call_{i}")}
+            m = m.model_copy(update=update)
+        out.append(m)
+    return out
 
 
 class TokenizeRequest(_Request):
