@@ -87,7 +87,10 @@ def test_answer_stream_splits_reasoning_before_tool_calls() -> None:
     assert "".join(d.arguments for p in parts for d in p.calls) == "{}"
 
 
-QWEN3_LIKE = "{{ '<|im_start|>assistant\\n' }}{% if enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+QWEN3_LIKE = (
+    "{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+)
 
 
 def test_format_from_the_template_and_the_parser_flag() -> None:
