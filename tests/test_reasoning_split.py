@@ -1,10 +1,12 @@
 """A thinking model's answer split into reasoning and content: whole, and streamed split at
 every point (and at every pair of points), which must reassemble to exactly the whole."""
 
+import io
 import itertools
 
 import pytest
 
+from tinyllm.entrypoints.cli import ThinkingDisplay
 from tinyllm.text.answer import AnswerStream, parse_answer
 from tinyllm.text.reasoning import (
     ReasoningFormat,
@@ -124,3 +126,25 @@ def test_thinking_switch() -> None:
     assert plan_thinking(FMT, "assistant\n", False) == ("<think>\n\n</think>\n\n", "closed")
     assert plan_thinking(FMT, "assistant\n", None) == ("", "maybe")
     assert plan_thinking(None, "assistant\n", False) == ("", "closed")
+
+
+class Terminal(io.StringIO):
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize("tty", [True, False], ids=["terminal", "pipe"])
+def test_cli_chat_dims_the_thinking(tty: bool) -> None:
+    out = Terminal(tty)
+    shown = ThinkingDisplay(ThinkSplit(FMT, "maybe"), out)
+    for piece in ["<th", "ink>\nsho", "rt plan\n</thi", "nk>\n\nThe", " answer."]:
+        shown.write(piece)
+    shown.write("", final=True)
+    assert shown.content == "The answer."
+    dim, plain = ThinkingDisplay.DIM, ThinkingDisplay.PLAIN
+    expected = f"{dim}sho{plain}{dim}rt plan{plain}\n\nThe answer." if tty else "The answer."
+    assert out.getvalue() == expected
