@@ -81,8 +81,7 @@ class LLM:
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         # A thinking model's format (None: it does not think), and its thinking budget.
-        template = getattr(loaded.tokenizer, "chat_template", None)
-        self.reasoning = reasoning_format(own.reasoning_parser, template)
+        self.reasoning = reasoning_format(own.reasoning_parser, loaded.tokenizer.chat_template)
         self.reasoning_budget = own.reasoning_budget
         self.default_sampling = default_sampling(own.generation_config, loaded.path, loaded.reader)
         try:
@@ -203,7 +202,9 @@ class LLM:
         fmt = self.reasoning
         if fmt is None or (isinstance(params, list) and len(params) != len(prompts)):
             return self._submit(prompts, params, use_tqdm)  # (which refuses a length mismatch)
-        if not isinstance(params, list):
+        if isinstance(params, list):
+            params = list(params)  # the caller's list stays as given
+        else:
             params = [params or self.get_default_sampling_params()] * len(prompts)
         states = [thinking_state(fmt, text) for text, _ in prompts]
         budget = self.reasoning_budget
