@@ -447,6 +447,8 @@ def test_engine_death_fails_requests_and_health(llm):
         model_name=llm.model_name,
         get_default_sampling_params=llm.get_default_sampling_params,
         default_sampling=llm.default_sampling,
+        reasoning=llm.reasoning,
+        reasoning_budget=llm.reasoning_budget,
     )
     with serving(create_app(broken)) as url:
         assert httpx.get(f"{url}/health").status_code == 200
@@ -487,6 +489,8 @@ def test_a_step_that_raises_fails_its_requests_and_the_server_goes_on(llm, offli
         model_name=llm.model_name,
         get_default_sampling_params=llm.get_default_sampling_params,
         default_sampling=llm.default_sampling,
+        reasoning=llm.reasoning,
+        reasoning_budget=llm.reasoning_budget,
     )
     with serving(create_app(wrapped)) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)

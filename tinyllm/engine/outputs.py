@@ -24,6 +24,9 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None
     # LLM.chat(tools=...): the calls parsed from `text` ([] for a text answer); else None.
     tool_calls: list[ToolCall] | None = None
+    # LLM.chat on a thinking model: its thinking (the <think> part), which `text` then leaves
+    # out ("" when it answered without thinking); None for other models and for generate.
+    reasoning: str | None = None
 
 
 @dataclass

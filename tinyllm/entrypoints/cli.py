@@ -19,6 +19,7 @@ from tinyllm.entrypoints.bench.args import add_bench_args
 from tinyllm.entrypoints.generation_config import DEFAULT_MAX_TOKENS
 from tinyllm.entrypoints.workloads import WORKLOADS
 from tinyllm.host.torchrun import torchrun_rank
+from tinyllm.text.reasoning import ThinkSplit, thinking_state
 
 # A prompt that takes more engine steps than this to prefill gets a progress bar.
 PREFILL_BAR_STEPS = 4
@@ -193,6 +194,30 @@ def cmd_generate(args: argparse.Namespace) -> None:
     )
 
 
+class ThinkingDisplay:
+    """Writes a thinking model's answer as it streams: the thinking dimmed on a terminal
+    (left out elsewhere, where no dimming shows it apart), then the answer."""
+
+    DIM, PLAIN = "\x1b[2m", "\x1b[0m"
+
+    def __init__(self, split: ThinkSplit, out=None) -> None:
+        self.split, self.out = split, out or sys.stdout
+        self.content = ""  # the answer without its thinking, for the conversation
+        self._tty = self.out.isatty()
+
+    def write(self, text: str, final: bool = False) -> None:
+        reasoning, content = self.split.feed(text, final)
+        if reasoning and self._tty:
+            self.out.write(f"{self.DIM}{reasoning}{self.PLAIN}")
+        if content and self.split.thought and not self.content and self._tty:
+            self.out.write("\n\n")  # the answer apart from the thinking above it
+        self.content += content
+        self.out.write(content)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
 def cmd_chat(args: argparse.Namespace) -> None:
     llm = build_llm(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -208,10 +233,18 @@ def cmd_chat(args: argparse.Namespace) -> None:
             messages = messages[:1] if args.system else []
             continue
         messages.append({"role": "user", "content": user})
-        ids = llm.tokenizer.encode_chat(messages)[1]
-        reply = stream(llm, ids, _params(llm, args))
+        prompt, ids = llm.tokenizer.encode_chat(messages)
+        if llm.reasoning is None:
+            reply = stream(llm, ids, _params(llm, args)).text
+        else:
+            shown = ThinkingDisplay(
+                ThinkSplit(llm.reasoning, thinking_state(llm.reasoning, prompt))
+            )
+            stream(llm, ids, _params(llm, args), out=shown)
+            shown.write("", final=True)
+            reply = shown.content
         print()
-        messages.append({"role": "assistant", "content": reply.text})
+        messages.append({"role": "assistant", "content": reply})
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

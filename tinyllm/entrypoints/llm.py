@@ -20,6 +20,8 @@ from tinyllm.loaders.load_config import LoadConfig
 from tinyllm.loaders.model_loader import load_model
 from tinyllm.model.config import ModelLoadError
 from tinyllm.model.tensor_parallel import apply_tp
+from tinyllm.text.reasoning import ThinkSplit, reasoning_format, template_kwargs, thinking_state
+from tinyllm.text.reasoning_grammar import thinking_grammar
 from tinyllm.text.tool_calls import parse_tool_calls
 from tinyllm.text.tool_formats import tool_format
 from tinyllm.text.tool_grammar import tool_choice_grammar
@@ -82,6 +84,9 @@ class LLM:
         self.tokenizer = loaded.tokenizer
         # How tool calls are written: the chat template's format unless tool_call_parser names one.
         self.tool_format = tool_format(own.tool_call_parser, self.tokenizer.chat_template)
+        # A thinking model's format (None: it does not think), and its thinking budget.
+        self.reasoning = reasoning_format(own.reasoning_parser, loaded.tokenizer.chat_template)
+        self.reasoning_budget = own.reasoning_budget
         self.default_sampling = default_sampling(own.generation_config, loaded.path, loaded.reader)
         try:
             self.get_default_sampling_params()
@@ -144,8 +149,16 @@ class LLM:
         tools: list[dict] | None = None,
         tool_choice: str | dict = "auto",
         parallel_tool_calls: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them.
+
+        `chat_template_kwargs`: more variables for the template, as vLLM takes them (Qwen3's
+        {"enable_thinking": False}). On a thinking model (the `reasoning_parser` option) each
+        completion's `text` is the answer alone and its `reasoning` the thinking (vLLM's offline
+        chat returns both in `text`; tinyllm keeps them apart, as its server does); `token_ids`
+        are all the tokens. A constraint (tools, structured_outputs) and the `reasoning_budget`
+        apply from the end of the thinking on.
 
         `tools` and `tool_choice` as OpenAI's API takes them ("none", "auto", "required" or
         {"type": "function", "function": {"name": ...}}): the tools go into the prompt, the
@@ -157,12 +170,15 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if not conversations:
             raise ValueError("no conversation given: pass a list of messages")
+        kwargs = template_kwargs(self.tokenizer.chat_template, None, chat_template_kwargs)
         encoded = [
-            self.tokenizer.encode_chat(c, tools=tools, tool_format=self.tool_format)
+            self.tokenizer.encode_chat(
+                c, tools=tools, tool_format=self.tool_format, template_kwargs=kwargs
+            )
             for c in conversations
         ]
         if not tools:
-            return self._submit(encoded, params, use_tqdm)
+            return self._submit_chat(encoded, params, use_tqdm)
         if not isinstance(params, list):
             params = [params or self.get_default_sampling_params()] * len(encoded)
         grammars: dict[str, StructuredOutputsParams] = {}
@@ -189,12 +205,48 @@ class LLM:
                 return p
             return dataclasses.replace(p, structured_outputs=grammars[key])
 
-        outputs = self._submit(encoded, [with_tools(p) for p in params], use_tqdm)
+        outputs = self._submit_chat(encoded, [with_tools(p) for p in params], use_tqdm)
         if tool_choice != "none":
             for completion in (c for out in outputs for c in out.outputs):
                 cut = completion.finish_reason == "length"
                 parsed = parse_tool_calls(completion.text, cut=cut, scan=self.tool_format.scan)
                 completion.tool_calls = parsed.calls
+        return outputs
+
+    def _submit_chat(
+        self,
+        prompts: list[tuple[str, list[int]]],
+        params: SamplingParams | list[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        """_submit for chat prompts: on a thinking model, each prompt's constraint and the
+        thinking budget apply after the thinking, and each answer's thinking moves from `text`
+        to `reasoning`."""
+        fmt = self.reasoning
+        if fmt is None or (isinstance(params, list) and len(params) != len(prompts)):
+            return self._submit(prompts, params, use_tqdm)  # (which refuses a length mismatch)
+        if isinstance(params, list):
+            params = list(params)  # the caller's list stays as given
+        else:
+            params = [params or self.get_default_sampling_params()] * len(prompts)
+        states = [thinking_state(fmt, text) for text, _ in prompts]
+        budget = self.reasoning_budget
+        for i, (p, state) in enumerate(zip(params, states, strict=True)):
+            so = p.structured_outputs
+            if state != "closed" and (so is not None or budget is not None):
+                answer = (
+                    None
+                    if so is None
+                    else {k: v for k, v in dataclasses.asdict(so).items() if v not in (None, False)}
+                )
+                grammar = thinking_grammar(self.tokenizer, fmt, state, answer, budget)
+                so = StructuredOutputsParams(grammar=grammar)
+                params[i] = dataclasses.replace(p, structured_outputs=so)
+        outputs = self._submit(prompts, params, use_tqdm)
+        for out, state in zip(outputs, states, strict=True):
+            for completion in out.outputs:
+                split = ThinkSplit(fmt, state)
+                completion.reasoning, completion.text = split.feed(completion.text, final=True)
         return outputs
 
     def _submit(

@@ -15,6 +15,7 @@ from tinyllm.entrypoints.generation_config import (
 from tinyllm.host.options import option, option_fields
 from tinyllm.host.threads import default_threads
 from tinyllm.loaders.load_config import LoadConfig
+from tinyllm.text.reasoning import REASONING_PARSERS
 from tinyllm.text.tool_parsers import TOOL_CALL_PARSERS
 
 
@@ -43,6 +44,18 @@ class LLMOptions:
         "teaches, else hermes (<tool_call> blocks)",
         choices=TOOL_CALL_PARSERS,
     )
+    reasoning_parser: str = option(
+        "auto",
+        "how a thinking model's <think> part is kept apart from its answer: auto (a model "
+        "thinks if its chat template writes <think>), none (never: all is answer), qwen3, "
+        "deepseek_r1 (the answer starts inside the thinking)",
+        choices=REASONING_PARSERS,
+    )
+    reasoning_budget: int | None = option(
+        None,
+        "the most tokens a thinking model may think before it answers, where a chat request "
+        "sets none (thinking_token_budget) (default: no limit)",
+    )
 
     def __post_init__(self) -> None:
         check_generation_config(self.generation_config)
@@ -51,6 +64,13 @@ class LLMOptions:
                 f"tool_call_parser: {self.tool_call_parser!r} is not one of "
                 f"{', '.join(TOOL_CALL_PARSERS)}"
             )
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser={self.reasoning_parser!r}: use one of "
+                + ", ".join(REASONING_PARSERS)
+            )
+        if self.reasoning_budget is not None and self.reasoning_budget < 0:
+            raise ValueError(f"reasoning_budget={self.reasoning_budget} must be >= 0")
 
 
 # Every option's class, in the order of the help: what to load, this process, the engine.

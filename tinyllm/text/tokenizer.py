@@ -163,21 +163,38 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         tool_format: ToolFormat = GENERIC,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[str, list[int]]:
         """The chat template's text for `messages` and its token ids: the one place a
         conversation becomes a prompt (the Python API, the CLI and the server all call it).
         `tools` (OpenAI's tool objects) go to a template that reads them, else into the system
         message in tinyllm's generic format (tinyllm.text.tool_prompt), calls written in
-        `tool_format`."""
+        `tool_format`. `template_kwargs`: more
+        variables for the template (Qwen3's `enable_thinking`); ValueError naming one that
+        would replace what the template is given (messages, tools, the special tokens)."""
         if not messages:
             raise ValueError("the conversation is empty: give at least one message")
         extra: dict[str, Any] = {}
         if self.chat_template is not None:
             messages, extra = template_inputs(messages, tools, self.chat_template, tool_format)
-        text = self.apply_chat_template(messages, add_generation_prompt, **extra)
+        kwargs = template_kwargs or {}
+        self.check_template_kwargs(kwargs)
+        text = self.apply_chat_template(messages, add_generation_prompt, **extra, **kwargs)
         _check_text("messages", text)
         # The template writes any BOS itself, so the tokenizer must not add another.
         return text, self.encode(text, add_special_tokens=False)
+
+    def check_template_kwargs(self, kwargs: dict[str, Any]) -> None:
+        """ValueError naming a template variable of `kwargs` that the conversation itself sets
+        (messages, tools, add_generation_prompt, the special tokens)."""
+        taken = sorted(
+            set(kwargs) & {"messages", "tools", "add_generation_prompt", *self._template_tokens}
+        )
+        if taken:
+            raise ValueError(
+                f"chat_template_kwargs: {taken[0]!r} is set from the request itself, not a "
+                "variable to give"
+            )
 
     def _text_of(self, token_id: int | None) -> str:
         return "" if token_id is None else self.backend.id_to_token(token_id) or ""

@@ -8,6 +8,7 @@ to stream or awaits `ChatRun.finish()` and reads `ChatRun.answers`; either way i
 which aborts what is left in the engine.
 """
 
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,20 +17,36 @@ from dataclasses import dataclass, field
 from starlette.concurrency import run_in_threadpool
 
 from tinyllm.engine.outputs import TokenLogprob
+from tinyllm.engine.structured_output.params import StructuredOutputsParams
 from tinyllm.entrypoints.llm import LLM
 from tinyllm.entrypoints.server.engine_loop import EngineLoop
 from tinyllm.entrypoints.server.engine_requests import (
     Choice,
     Constraint,
+    Prompt,
     chat_prompt,
     plan_choices,
     request_constraint,
 )
 from tinyllm.entrypoints.server.errors import APIError
 from tinyllm.entrypoints.server.generation import Generation
-from tinyllm.entrypoints.server.protocol import ChatCompletionRequest, SamplingRequest, Usage
+from tinyllm.entrypoints.server.protocol import (
+    ChatCompletionRequest,
+    CompletionTokensDetails,
+    SamplingRequest,
+    Usage,
+)
 from tinyllm.entrypoints.server.tools import ToolPlan, finish_reason, plan_tools
 from tinyllm.text.answer import Answer, AnswerDelta, AnswerStream
+from tinyllm.text.reasoning import (
+    ReasoningFormat,
+    ThinkingState,
+    ThinkSplit,
+    plan_thinking,
+    reasoning_tokens,
+    template_kwargs,
+)
+from tinyllm.text.reasoning_grammar import thinking_grammar
 from tinyllm.text.tool_calls import CallDelta
 
 log = logging.getLogger("tinyllm.server")
@@ -46,6 +63,17 @@ class ChatDelta:
     calls: list[CallDelta] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+
+
+@dataclass
+class Thinking:
+    """How a request's answers think: the model's format, where each answer starts, whether
+    the response shows the thinking (vLLM's include_reasoning), the end tag's token id."""
+
+    fmt: ReasoningFormat
+    state: ThinkingState
+    include: bool = True
+    end_id: int | None = None
 
 
 @dataclass
@@ -67,6 +95,7 @@ class ChatServing:
         # auto), else OpenAI's defaults, which SamplingParams' neutral values are.
         self.defaults = llm.get_default_sampling_params()
         self.default_max_tokens = llm.default_sampling.get("max_tokens")
+        self.reasoning, self.reasoning_budget = llm.reasoning, llm.reasoning_budget
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -95,9 +124,17 @@ class ChatServing:
         tools = plan_tools(req, constraint is not None)
         if tools.constraint is not None:
             constraint = Constraint(tools.constraint, "tools")
-        prompt = await run_in_threadpool(
-            chat_prompt, self.tokenizer, req.messages, tools=tools.tools
+        kwargs = template_kwargs(
+            self.tokenizer.chat_template, req.enable_thinking, req.chat_template_kwargs
         )
+        try:
+            self.tokenizer.check_template_kwargs(kwargs)
+        except ValueError as e:
+            raise APIError(400, str(e), param="chat_template_kwargs") from e
+        prompt = await run_in_threadpool(
+            chat_prompt, self.tokenizer, req.messages, tools=tools.tools, template_kwargs=kwargs
+        )
+        thinking, constraint, prompt = self._plan_thinking(req, prompt, constraint)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         choices = plan_choices(
             self.validator,
@@ -111,22 +148,63 @@ class ChatServing:
             param,
             constraint,
         )
-        return ChatRun(Generation(self.loop, request_id, [prompt], choices), tools)
+        return ChatRun(Generation(self.loop, request_id, [prompt], choices), tools, thinking)
+
+    def _plan_thinking(
+        self, req: ChatCompletionRequest, prompt: Prompt, constraint: Constraint | None
+    ) -> tuple[Thinking | None, Constraint | None, Prompt]:
+        """Where the answers start (thinking turned off in the prompt where the template has no
+        switch), and the constraint that lets the model think first: a response_format or tool
+        grammar, and the thinking budget, apply from the end of the thinking on."""
+        fmt = self.reasoning
+        if fmt is None:
+            return None, constraint, prompt
+        suffix, state = plan_thinking(fmt, prompt.text or "", req.enable_thinking)
+        if suffix:
+            ids = prompt.token_ids + self.tokenizer.encode(suffix, add_special_tokens=False)
+            prompt = Prompt(ids, (prompt.text or "") + suffix)
+        budget = req.thinking_token_budget
+        if budget is None:
+            budget = self.reasoning_budget
+        end_id = self.tokenizer.token_to_id(fmt.end)
+        thinking = Thinking(fmt, state, req.include_reasoning, end_id)
+        if state == "closed" or (constraint is None and budget is None):
+            return thinking, constraint, prompt
+        answer = None
+        where = "thinking_token_budget"
+        if constraint is not None:
+            where = constraint.where
+            fields = dataclasses.asdict(constraint.params).items()
+            answer = {k: v for k, v in fields if v not in (None, False)}
+        try:
+            grammar = thinking_grammar(self.tokenizer, fmt, state, answer, budget)
+        except ValueError as e:  # a schema given as text that is not JSON
+            raise APIError(400, f"{where}: {e}", param=where.split(".")[0]) from e
+        return thinking, Constraint(StructuredOutputsParams(grammar=grammar), where), prompt
 
 
 class ChatRun:
     """One chat request running in the engine: its choices' deltas as they come, or their
     whole answers once done."""
 
-    def __init__(self, gen: Generation, tools: ToolPlan) -> None:
+    def __init__(self, gen: Generation, tools: ToolPlan, thinking: Thinking | None = None) -> None:
         self.gen, self.request_id = gen, gen.request_id
         self.choices: list[Choice] = gen.choices
-        self._streams = {c.index: AnswerStream(tools=tools.parse) for c in self.choices}
+        self.thinking = thinking
+        self._splits = {
+            c.index: ThinkSplit(thinking.fmt, thinking.state) if thinking else None
+            for c in self.choices
+        }
+        self._streams = {
+            c.index: AnswerStream(self._splits[c.index], tools=tools.parse) for c in self.choices
+        }
         self.answers = {c.index: ChatAnswer() for c in self.choices}
 
     def _delta(self, choice: Choice, text: str, reason: str | None) -> ChatDelta:
         stream = self._streams[choice.index]
         new: AnswerDelta = stream.feed(text, final=reason is not None)
+        if self.thinking is not None and not self.thinking.include:
+            new.reasoning = ""
         reason = finish_reason(reason, stream.has_calls)
         delta = ChatDelta(choice.index, new.content, new.reasoning, new.calls, None, reason)
         answer = self.answers[choice.index]
@@ -170,7 +248,16 @@ class ChatRun:
             answer.logprobs = (answer.logprobs or []) + lps
 
     def usage(self) -> Usage:
-        return self.gen.usage()
+        """Token counts; for a thinking model, also how many of the completion's were thinking."""
+        usage = self.gen.usage()
+        if self.thinking is not None:
+            results, end_id = self.gen.results, self.thinking.end_id
+            thought = sum(
+                reasoning_tokens(split, results[i].token_ids, end_id)
+                for i, split in self._splits.items()
+            )
+            usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=thought)
+        return usage
 
     def close(self) -> None:
         self.gen.close()

@@ -119,6 +119,7 @@ def chat_prompt(
     messages: list[ChatMessage],
     add_generation_prompt: bool = True,
     tools: list[dict] | None = None,
+    template_kwargs: dict | None = None,
 ) -> Prompt:
     conversation = []
     for i, m in enumerate(messages):
@@ -134,7 +135,9 @@ def chat_prompt(
             message["content"] = "".join(p.text or "" for p in m.content)
         conversation.append(message)
     try:
-        text, ids = tokenizer.encode_chat(conversation, add_generation_prompt, tools)
+        text, ids = tokenizer.encode_chat(
+            conversation, add_generation_prompt, tools, template_kwargs
+        )
     except ValueError as e:  # no template, the template refused the conversation, or not text
         raise APIError(400, str(e), param="messages") from e
     return Prompt(ids, text)

@@ -6,7 +6,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
@@ -32,6 +32,7 @@ class ChoiceResult:
 
     text: str = ""
     num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     num_cached_tokens: int = 0  # of its prompt, from the prefix cache
@@ -43,6 +44,7 @@ class ChoiceResult:
             self.prompt_logprobs = request.prompt_logprobs
         self.text += out.text
         self.num_tokens += len(out.token_ids)
+        self.token_ids += out.token_ids
         if out.logprobs is not None:
             self.logprobs = (self.logprobs or []) + out.logprobs
         self.finish_reason = out.finish_reason

@@ -180,6 +180,17 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # Variables for the chat template, as vLLM takes them (Qwen3's {"enable_thinking": false}).
+    chat_template_kwargs: dict[str, Any] | None = None
+    # A thinking model's switch, mapped onto its template's (enable_thinking): what Ollama's
+    # `think`, Anthropic's `thinking` and Responses' `reasoning.effort` become. None: the model's
+    # default.
+    enable_thinking: bool | None = None
+    # The most tokens a thinking model may think before it answers (vLLM's name); None: the
+    # server's --reasoning-budget.
+    thinking_token_budget: int | None = Field(None, ge=0)
+    # vLLM's: false leaves the thinking out of the response.
+    include_reasoning: bool = True
     # The legacy functions API (OpenAI's before tools, which older clients still send): read
     # as `tools` and `tool_choice` with one call at most; `legacy_functions` says it was used.
     functions: Annotated[list[FunctionDefinition], Field(max_length=128)] | None = None
@@ -258,11 +269,17 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int  # a thinking model's tokens before its answer, the tags included
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    # Only for a thinking model's answers.
+    completion_tokens_details: CompletionTokensDetails | None = _omitted_if_none()
 
 
 class CompletionLogprobs(BaseModel):
