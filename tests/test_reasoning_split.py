@@ -16,6 +16,7 @@ from tinyllm.text.reasoning import (
     template_kwargs,
     thinking_state,
 )
+from tinyllm.text.tool_formats import GENERIC
 
 FMT = ReasoningFormat()
 # (state, model text, reasoning, content)
@@ -79,10 +80,10 @@ def test_no_reasoning_is_sent_before_it_is_known_to_be_reasoning() -> None:
 
 def test_answer_stream_splits_reasoning_before_tool_calls() -> None:
     text = '<think>call it</think>\n\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
-    answer = parse_answer(text, ThinkSplit(FMT, "maybe"), tools=True)
+    answer = parse_answer(text, ThinkSplit(FMT, "maybe"), tools=GENERIC)
     assert answer.reasoning == "call it" and answer.content == ""
     assert [(c.name, c.arguments) for c in answer.calls] == [("f", "{}")]
-    stream = AnswerStream(ThinkSplit(FMT, "maybe"), tools=True)
+    stream = AnswerStream(ThinkSplit(FMT, "maybe"), tools=GENERIC)
     parts = [stream.feed(text[i : i + 3], final=i + 3 >= len(text)) for i in range(0, len(text), 3)]
     assert "".join(p.reasoning for p in parts) == "call it"
     assert "".join(p.content for p in parts) == ""

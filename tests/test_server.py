@@ -449,6 +449,7 @@ def test_engine_death_fails_requests_and_health(llm):
         default_sampling=llm.default_sampling,
         reasoning=llm.reasoning,
         reasoning_budget=llm.reasoning_budget,
+        tool_format=llm.tool_format,
     )
     with serving(create_app(broken)) as url:
         assert httpx.get(f"{url}/health").status_code == 200
@@ -491,6 +492,7 @@ def test_a_step_that_raises_fails_its_requests_and_the_server_goes_on(llm, offli
         default_sampling=llm.default_sampling,
         reasoning=llm.reasoning,
         reasoning_budget=llm.reasoning_budget,
+        tool_format=llm.tool_format,
     )
     with serving(create_app(wrapped)) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tinyllm.text.tool_calls import CallDelta, ToolCall, ToolCallStream
+from tinyllm.text.tool_formats import ToolFormat
 
 
 class ReasoningSplit(Protocol):
@@ -33,22 +34,30 @@ class AnswerDelta:
 
 
 class AnswerStream:
-    """`reasoning`: the model's thinking splitter (None: it does not think). `tools`: whether
-    the answer may hold tool calls (they are parsed out of the content)."""
+    """`reasoning`: the model's thinking splitter (None: it does not think). `tools`: the
+    format of the tool calls the answer may hold, parsed out of the content (None: no calls)."""
 
-    def __init__(self, reasoning: ReasoningSplit | None = None, tools: bool = False) -> None:
+    def __init__(
+        self, reasoning: ReasoningSplit | None = None, tools: ToolFormat | None = None
+    ) -> None:
         self.reasoning = reasoning
-        self.tools = ToolCallStream() if tools else None
+        self.tools = ToolCallStream(tools.scan) if tools is not None else None
 
     @property
     def has_calls(self) -> bool:
         return bool(self.tools and self.tools.ids)
 
-    def feed(self, text: str, final: bool) -> AnswerDelta:
+    @property
+    def calls_complete(self) -> bool:
+        """Whether every call is whole (none was cut by max_tokens or a stop string)."""
+        return self.tools is None or self.tools.all_complete
+
+    def feed(self, text: str, final: bool, cut: bool = False) -> AnswerDelta:
+        """`cut`: the answer ended at max_tokens (a begun call or trigger is not content)."""
         reasoning, content = self.reasoning.feed(text, final) if self.reasoning else ("", text)
         calls: list[CallDelta] = []
         if self.tools is not None:
-            content, calls = self.tools.feed(content, final)
+            content, calls = self.tools.feed(content, final, cut)
         return AnswerDelta(content, reasoning, calls)
 
 
@@ -69,7 +78,9 @@ class Answer:
             self.calls[d.index].arguments += d.arguments
 
 
-def parse_answer(text: str, reasoning: ReasoningSplit | None = None, tools: bool = False) -> Answer:
+def parse_answer(
+    text: str, reasoning: ReasoningSplit | None = None, tools: ToolFormat | None = None
+) -> Answer:
     """A whole answer's parts."""
     answer = Answer()
     answer.add(AnswerStream(reasoning, tools).feed(text, final=True))

@@ -96,6 +96,7 @@ class ChatServing:
         self.defaults = llm.get_default_sampling_params()
         self.default_max_tokens = llm.default_sampling.get("max_tokens")
         self.reasoning, self.reasoning_budget = llm.reasoning, llm.reasoning_budget
+        self.tool_format = llm.tool_format
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -121,7 +122,7 @@ class ChatServing:
             max_tokens, param = req.max_tokens, "max_tokens"
         request_id = request_id or f"chatcmpl-{uuid.uuid4().hex}"
         constraint = request_constraint(req)
-        tools = plan_tools(req, constraint is not None)
+        tools = plan_tools(req, constraint is not None, self.tool_format)
         if tools.constraint is not None:
             constraint = Constraint(tools.constraint, "tools")
         kwargs = template_kwargs(
@@ -132,7 +133,12 @@ class ChatServing:
         except ValueError as e:
             raise APIError(400, str(e), param="chat_template_kwargs") from e
         prompt = await run_in_threadpool(
-            chat_prompt, self.tokenizer, req.messages, tools=tools.tools, template_kwargs=kwargs
+            chat_prompt,
+            self.tokenizer,
+            req.messages,
+            tools=tools.tools,
+            template_kwargs=kwargs,
+            tool_format=tools.format,
         )
         thinking, constraint, prompt = self._plan_thinking(req, prompt, constraint)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -196,16 +202,17 @@ class ChatRun:
             for c in self.choices
         }
         self._streams = {
-            c.index: AnswerStream(self._splits[c.index], tools=tools.parse) for c in self.choices
+            c.index: AnswerStream(self._splits[c.index], tools.format if tools.parse else None)
+            for c in self.choices
         }
         self.answers = {c.index: ChatAnswer() for c in self.choices}
 
     def _delta(self, choice: Choice, text: str, reason: str | None) -> ChatDelta:
         stream = self._streams[choice.index]
-        new: AnswerDelta = stream.feed(text, final=reason is not None)
+        new: AnswerDelta = stream.feed(text, reason is not None, cut=reason == "length")
         if self.thinking is not None and not self.thinking.include:
             new.reasoning = ""
-        reason = finish_reason(reason, stream.has_calls)
+        reason = finish_reason(reason, stream.has_calls, stream.calls_complete)
         delta = ChatDelta(choice.index, new.content, new.reasoning, new.calls, None, reason)
         answer = self.answers[choice.index]
         answer.add(new)

@@ -21,6 +21,7 @@ from tinyllm.entrypoints.server.protocol import (
     TokenIds,
 )
 from tinyllm.text.tokenizer import Tokenizer
+from tinyllm.text.tool_formats import GENERIC, ToolFormat
 
 
 @dataclass
@@ -120,6 +121,7 @@ def chat_prompt(
     add_generation_prompt: bool = True,
     tools: list[dict] | None = None,
     template_kwargs: dict | None = None,
+    tool_format: ToolFormat = GENERIC,
 ) -> Prompt:
     conversation = []
     for i, m in enumerate(messages):
@@ -136,7 +138,11 @@ def chat_prompt(
         conversation.append(message)
     try:
         text, ids = tokenizer.encode_chat(
-            conversation, add_generation_prompt, tools, template_kwargs
+            conversation,
+            add_generation_prompt,
+            tools,
+            tool_format=tool_format,
+            template_kwargs=template_kwargs,
         )
     except ValueError as e:  # no template, the template refused the conversation, or not text
         raise APIError(400, str(e), param="messages") from e

@@ -1,7 +1,7 @@
-"""Tool calling on /v1/chat/completions: the request's tools and tool_choice into a prompt and a
-grammar in the model's tool-call format (tinyllm.text.tool_formats); the answer's calls into
-OpenAI's `tool_calls`, whole or streamed. No markup reaches the content, and a call that did not
-complete (cut by max_tokens or a stop string) finishes with "length", never "tool_calls"."""
+"""Tool calling on the chat path: the request's tools and tool_choice into a prompt and a grammar
+in the model's tool-call format (tinyllm.text.tool_formats). The answer's calls are parsed out by
+tinyllm.text.answer: no markup reaches the content, and a call that did not complete (cut by
+max_tokens or a stop string) finishes with "length", never "tool_calls"."""
 
 import json
 import re
@@ -12,15 +12,8 @@ from tinyllm.engine.structured_output.params import StructuredOutputsParams
 from tinyllm.entrypoints.server.engine_requests import request_constraint
 from tinyllm.entrypoints.server.errors import APIError
 from tinyllm.entrypoints.server.protocol import (
-    AssistantMessage,
     ChatCompletionRequest,
-    Delta,
-    FunctionCallOut,
-    FunctionDelta,
-    ToolCallDelta,
-    ToolCallOut,
 )
-from tinyllm.text.tool_calls import ToolCallStream, parse_tool_calls
 from tinyllm.text.tool_formats import GENERIC, ToolFormat
 from tinyllm.text.tool_grammar import check_answer, tool_choice_grammar
 
@@ -30,7 +23,7 @@ class ToolPlan:
     tools: list[dict[str, Any]] | None  # for the chat template
     constraint: StructuredOutputsParams | None  # None: tools are not what constrains the answer
     parse: bool  # whether answers are parsed for calls
-    format: ToolFormat = GENERIC  # the calls' format, for ToolDeltas and tool_message
+    format: ToolFormat = GENERIC  # the calls' format, to parse them with
 
 
 def plan_tools(
@@ -97,41 +90,3 @@ def finish_reason(reason: str | None, has_calls: bool, complete: bool = True) ->
     if has_calls and reason == "stop":
         return "tool_calls" if complete else "length"
     return reason
-
-
-def tool_message(
-    text: str, reason: str | None, fmt: ToolFormat = GENERIC
-) -> tuple[AssistantMessage, str | None]:
-    """The whole answer as a message with its calls, and its finish reason."""
-    parsed = parse_tool_calls(text, cut=reason == "length", scan=fmt.scan)
-    if not parsed.calls:
-        return AssistantMessage(content=parsed.content), reason
-    calls = [
-        ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
-        for c in parsed.calls
-    ]
-    message = AssistantMessage(content=parsed.content or None, tool_calls=calls)
-    return message, finish_reason(reason, True, all(c.complete for c in parsed.calls))
-
-
-class ToolDeltas:
-    """One streamed choice: each engine delta into an OpenAI delta (None: nothing to send yet)."""
-
-    def __init__(self, fmt: ToolFormat = GENERIC) -> None:
-        self.stream = ToolCallStream(fmt.scan)
-
-    def delta(self, text: str, reason: str | None) -> tuple[Delta | None, str | None]:
-        content, calls = self.stream.feed(text, reason is not None, cut=reason == "length")
-        tool_calls = [
-            ToolCallDelta(
-                index=d.index,
-                id=d.id,
-                type="function" if d.id is not None else None,
-                function=FunctionDelta(name=d.name, arguments=d.arguments),
-            )
-            for d in calls
-        ]
-        reason = finish_reason(reason, bool(self.stream.ids), self.stream.all_complete)
-        if not content and not tool_calls:
-            return None, reason
-        return Delta(content=content or None, tool_calls=tool_calls or None), reason
