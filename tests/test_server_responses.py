@@ -178,11 +178,13 @@ def test_function_tool_loop(client):
     assert "".join(deltas) == streamed.arguments == call.arguments
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert [(d.name, d.arguments) for d in done] == [("get_weather", call.arguments)]
-    # The second turn sends the call back with its output, stateless.
+    # The second turn sends the call back with its output, stateless (with a reasoning item
+    # passed back, as clients of thinking models do: accepted, not rendered).
     second = ask(
         client,
         input=[
             {"role": "user", "content": "What is the weather in Paris?"},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "content": []},
             call.model_dump(exclude_none=True),
             {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 24 C"},
         ],
@@ -266,6 +268,18 @@ def test_get_and_delete_a_stored_response(client):
         ({"input": "Hi", "tool_choice": "required"}, 400, "tool_choice", "tools"),
         ({"input": "Hi", "max_output_tokens": 0}, 400, "max_output_tokens", "max_output_tokens"),
         ({"input": "Hi", "text": {"format": {"type": "yaml"}}}, 400, "text.format.type", "yaml"),
+        (
+            {"input": "Hi", "tools": [WEATHER | {"parameters": {"$ref": "#/$defs/Nowhere"}}]},
+            400,
+            "tools",
+            "tools.0.parameters",
+        ),
+        (
+            {"input": "Hi", "text": {"format": {"type": "json_schema", "schema": {}}}},
+            400,
+            "text.format.name",
+            "text.format.name",
+        ),
         ({"input": "Hi", "temperature": "hot"}, 400, "temperature", "temperature"),
         ({}, 400, "input", "input"),
     ],
@@ -356,6 +370,32 @@ def test_agents_sdk_function_tool_loop(base_url, llm):
     # tool_choice after a call).
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and len(seen) >= 1
     assert kinds[-1] == "message_output_item" and isinstance(result.final_output, str)
+
+
+def test_agents_sdk_streamed_run(base_url, llm):
+    """Runner.run_streamed reads the server's events through the SDK's stream."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+
+    async def go():
+        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+        model = agents.OpenAIResponsesModel(model=llm.model_name, openai_client=client)
+        agent = agents.Agent(
+            name="tester", instructions="Be brief.", model=model, model_settings=agent_settings()
+        )
+        try:
+            run = agents.Runner.run_streamed(agent, QUESTION, max_turns=1)
+            deltas = [
+                e.data.delta
+                async for e in run.stream_events()
+                if e.type == "raw_response_event" and e.data.type == "response.output_text.delta"
+            ]
+            return run, "".join(deltas)
+        finally:
+            await client.close()
+
+    run, text = asyncio.run(go())
+    assert text and run.final_output == text
 
 
 def test_agents_sdk_output_type(base_url, llm):

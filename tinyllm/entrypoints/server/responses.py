@@ -1,5 +1,6 @@
 """OpenAI's Responses API: `POST /v1/responses` through the shared chat path (chat_run), and
-`GET`/`DELETE /v1/responses/{id}` for the responses kept in the bounded in-memory store."""
+`GET`/`DELETE /v1/responses/{id}` for the responses kept in the bounded in-memory store. What is
+supported, field by field: docs/API_RESPONSES.md."""
 
 import logging
 import time

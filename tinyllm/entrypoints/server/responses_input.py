@@ -153,18 +153,18 @@ _PARAMS = {
 }
 
 
+def _renamed(text: str) -> str:
+    text = re.sub(r"\btools\.(\d+)\.function\.", r"tools.\1.", text)
+    text = re.sub(r"\bresponse_format\.json_schema\b", "text.format", text)
+    for chat_name, name in _PARAMS.items():
+        text = re.sub(rf"\b{chat_name}\b", name, text)
+    return text
+
+
 def responses_error(e: APIError) -> APIError:
     """An error about the internal chat request, reworded in the Responses request's names."""
-    message = re.sub(r"\btools\.(\d+)\.function\.", r"tools.\1.", e.message)
-    message = re.sub(r"\bresponse_format\.json_schema\b", "text.format", message)
-    for chat_name, name in _PARAMS.items():
-        message = re.sub(rf"\b{chat_name}\b", name, message)
-    param = e.param
-    if param is not None:
-        head, _, rest = param.partition(".")
-        param = ".".join(p for p in (_PARAMS.get(head, head), rest) if p)
-        param = re.sub(r"^tools\.(\d+)\.function\.", r"tools.\1.", param)
-    return APIError(e.status, message, param=param, code=e.code)
+    param = None if e.param is None else _renamed(e.param)
+    return APIError(e.status, _renamed(e.message), param=param, code=e.code)
 
 
 def chat_body(
