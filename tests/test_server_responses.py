@@ -5,6 +5,7 @@ guarantees: shapes, validation, reassembly, the stored conversation and its pref
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -12,8 +13,12 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.http_server import serving
+from tests.test_server import _FailingEngine
 from tinyllm import SamplingParams
 from tinyllm.entrypoints.server.app import create_app
+from tinyllm.entrypoints.server.errors import APIError
+from tinyllm.entrypoints.server.responses_protocol import ResponseObject
+from tinyllm.entrypoints.server.responses_store import ResponseStore, StoredResponse
 
 pytestmark = pytest.mark.slow
 
@@ -223,6 +228,10 @@ def test_previous_response_id_continues_the_stored_conversation(client, llm):
     whole = ask(client, input=history, max_output_tokens=8, store=False)
     assert whole.usage.input_tokens == second.usage.input_tokens
     assert whole.output_text == second.output_text
+    # The same, naming the stored answer by its item id.
+    history[1] = {"type": "item_reference", "id": first.output[-1].id}
+    referenced = ask(client, input=history, max_output_tokens=8, store=False)
+    assert referenced.usage.input_tokens == second.usage.input_tokens
 
 
 def test_get_and_delete_a_stored_response(client):
@@ -242,6 +251,18 @@ def test_get_and_delete_a_stored_response(client):
         client.responses.retrieve(unstored.id)
 
 
+def test_the_store_is_bounded_and_forgets_the_least_recently_used():
+    store = ResponseStore(capacity=2)
+    for name in ("a", "b"):
+        store.put(StoredResponse(ResponseObject(id=name, created_at=0, model="m"), []))
+    store.get("a")  # now "b" is the least recently used
+    store.put(StoredResponse(ResponseObject(id="c", created_at=0, model="m"), []))
+    assert store.get("a").response.id == "a" and store.get("c").response.id == "c"
+    with pytest.raises(APIError, match="'b'") as e:
+        store.get("b", param="previous_response_id")
+    assert e.value.status == 404 and e.value.param == "previous_response_id"
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param", "says"),
     [
@@ -258,6 +279,7 @@ def test_get_and_delete_a_stored_response(client):
             "resp_nope",
         ),
         ({"input": "Hi", "tools": [{"type": "web_search"}]}, 400, "tools.0.type", "web_search"),
+        ({"input": [{"type": "item_reference", "id": "msg_x"}]}, 404, "input.0.id", "msg_x"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             400,
@@ -292,6 +314,28 @@ def test_bad_input_names_the_field_and_the_server_keeps_serving(
     error = r.json()["error"]
     assert error["param"] == param and says in error["message"]
     assert ask(client, input="Hi", max_output_tokens=2).status == "incomplete"
+
+
+def test_an_engine_failure_fails_the_streamed_response(llm):
+    broken = SimpleNamespace(
+        engine=_FailingEngine(llm.engine),
+        tokenizer=llm.tokenizer,
+        model_name=llm.model_name,
+        get_default_sampling_params=llm.get_default_sampling_params,
+        default_sampling=llm.default_sampling,
+    )
+    with serving(create_app(broken)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10)
+        events = list(client.responses.create(model=llm.model_name, input="Hi", stream=True))
+        assert [e.type for e in events] == [
+            "response.created",
+            "response.in_progress",
+            "response.failed",
+        ]
+        failed = events[-1].response
+        assert failed.status == "failed" and "simulated" in failed.error.message
+        with pytest.raises(openai.InternalServerError, match="simulated"):
+            client.responses.create(model=llm.model_name, input="Hi")
 
 
 def test_unknown_fields_are_accepted(base_url, llm):

@@ -76,7 +76,7 @@ class ResponsesServing:
         if req.previous_response_id is not None:
             stored = self.store.get(req.previous_response_id, param="previous_response_id")
             history = stored.messages
-        messages = input_messages(req.input)
+        messages = input_messages(req.input, self.store.item)
         if not history and not messages:
             raise APIError(400, "input: give at least one input item", param="input")
         chat_req = self._chat_request(req, history, messages)

@@ -3,6 +3,7 @@ messages, flat function tools into nested ones, `text.format` into `response_for
 wrong is a 400 naming the Responses field (`input.2.type`, `tools.0.type`, `text.format`)."""
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -24,7 +25,8 @@ _ITEMS: dict[str, type[BaseModel]] = {
     "function_call_output": FunctionCallOutputItem,
     "reasoning": ReasoningItem,
 }
-_ROLES = {"developer": "system"}  # chat templates know system, not developer
+_ROLES = {"developer": "system"}
+ItemLookup = Callable[[str], dict[str, Any] | None]  # chat templates know system, not developer
 
 
 def _check(model: type[BaseModel], data: Any, where: str) -> Any:
@@ -55,15 +57,34 @@ def _text(content: str | list[dict[str, Any]], where: str) -> str:
     return "".join(texts)
 
 
-def input_messages(items: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+def _referenced(raw: dict[str, Any], where: str, lookup: ItemLookup) -> dict[str, Any]:
+    """The stored output item an `item_reference` names."""
+    item_id = raw.get("id")
+    item = lookup(item_id) if isinstance(item_id, str) else None
+    if item is None:
+        raise APIError(
+            404,
+            f"{where}.id: no stored output item with id {item_id!r}",
+            param=f"{where}.id",
+            code="item_not_found",
+        )
+    return item
+
+
+def input_messages(
+    items: str | list[dict[str, Any]] | None, lookup: ItemLookup
+) -> list[dict[str, Any]]:
     """The request's `input` as chat messages; an assistant's text and the function calls
-    after it become one message with `tool_calls`, as chat completions has it."""
+    after it become one message with `tool_calls`, as chat completions has it. `lookup` finds
+    the stored output item an `item_reference` names."""
     if items is None:
         return []
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
     for i, raw in enumerate(items):
+        if raw.get("type") == "item_reference":
+            raw = _referenced(raw, f"input.{i}", lookup)
         # An item without a type is a message ("easy input message") when it has a role.
         kind = raw.get("type", "message" if "role" in raw else None)
         model = _ITEMS.get(kind) if isinstance(kind, str) else None
@@ -71,7 +92,7 @@ def input_messages(items: str | list[dict[str, Any]] | None) -> list[dict[str, A
             raise APIError(
                 400,
                 f"input.{i}.type: unsupported item type {kind!r}; this server takes "
-                f"{', '.join(_ITEMS)}",
+                f"{', '.join(_ITEMS)}, item_reference",
                 param=f"input.{i}.type",
             )
         item = _check(model, raw, f"input.{i}")

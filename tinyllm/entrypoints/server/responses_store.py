@@ -44,6 +44,14 @@ class ResponseStore:
         self._entries.move_to_end(response_id)
         return entry
 
+    def item(self, item_id: str) -> dict[str, Any] | None:
+        """A stored response's output item by its id (what an `item_reference` names)."""
+        for entry in self._entries.values():
+            for item in entry.response.output:
+                if item.id == item_id:
+                    return item.model_dump()
+        return None
+
     def delete(self, response_id: str) -> None:
         self.get(response_id)
         del self._entries[response_id]
