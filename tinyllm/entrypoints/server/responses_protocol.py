@@ -183,6 +183,8 @@ class ResponseObject(BaseModel):
     store: bool = True
     user: str | None = None
     background: bool = False
+    # Clients read it whether or not the server sends it (pydantic-ai); null: no diagnostics.
+    prompt_cache_diagnostics: dict[str, Any] | None = None
 
 
 class DeletedResponse(BaseModel):
