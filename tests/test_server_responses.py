@@ -5,6 +5,7 @@ guarantees: shapes, validation, reassembly, the stored conversation and its pref
 
 import asyncio
 import json
+import typing
 from types import SimpleNamespace
 
 import httpx
@@ -16,9 +17,13 @@ from tests.http_server import serving
 from tests.test_server import _FailingEngine
 from tinyllm import SamplingParams
 from tinyllm.entrypoints.server.app import create_app
+from tinyllm.entrypoints.server.chat_run import ChatDelta
 from tinyllm.entrypoints.server.errors import APIError
+from tinyllm.entrypoints.server.protocol import Usage
+from tinyllm.entrypoints.server.responses_output import OutputBuilder
 from tinyllm.entrypoints.server.responses_protocol import ResponseObject
 from tinyllm.entrypoints.server.responses_store import ResponseStore, StoredResponse
+from tinyllm.text.tool_calls import CallDelta
 
 pytestmark = pytest.mark.slow
 
@@ -97,6 +102,26 @@ def test_create_is_the_chat_paths_greedy_answer(client, offline):
     # The request's settings come back as OpenAI echoes them.
     assert r.instructions == INSTRUCTIONS and r.max_output_tokens == 24 and r.temperature == 0
     assert r.tools == [] and r.tool_choice == "auto"
+
+
+def test_instructions_and_developer_messages_are_one_system_message(client):
+    split = ask(
+        client,
+        instructions="Be brief.",
+        input=[{"role": "developer", "content": "Use French."}, {"role": "user", "content": "Hi"}],
+        max_output_tokens=1,
+        store=False,
+    )
+    joined = ask(
+        client,
+        input=[
+            {"role": "system", "content": "Be brief.\n\nUse French."},
+            {"role": "user", "content": "Hi"},
+        ],
+        max_output_tokens=1,
+        store=False,
+    )
+    assert split.usage.input_tokens == joined.usage.input_tokens
 
 
 def test_max_output_tokens_makes_it_incomplete(client):
@@ -251,6 +276,63 @@ def test_get_and_delete_a_stored_response(client):
         client.responses.retrieve(unstored.id)
 
 
+def test_events_for_reasoning_text_and_a_call_are_the_sdks_types():
+    """A thinking model's answer (the default model does not think): every event and the final
+    response validate as the official SDK's types, in the order its stream helper reads them."""
+    from openai.types.responses import Response, ResponseStreamEvent
+
+    # The SDK's event union, by each member's `type`.
+    members = typing.get_args(typing.get_args(ResponseStreamEvent)[0])
+    by_type = {typing.get_args(m.model_fields["type"].annotation)[0]: m for m in members}
+
+    deltas = [
+        ChatDelta(0, reasoning="Let me think. "),
+        ChatDelta(0, reasoning="Done."),
+        ChatDelta(0, content="Calling f."),
+        ChatDelta(0, calls=[CallDelta(0, "", "call_1", "f")]),
+        ChatDelta(0, calls=[CallDelta(0, '{"a": 1}')], finish_reason="tool_calls"),
+    ]
+    usage = Usage(prompt_tokens=5, completion_tokens=7, total_tokens=12)
+    builder = OutputBuilder(ResponseObject(id="resp_1", created_at=0, model="m"))
+    raw = builder.start() + [e for d in deltas for e in builder.feed(d)]
+    raw += builder.finish("tool_calls", usage)
+    events = [by_type[e["type"]].model_validate(e) for e in raw]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    item = ["response.output_item.added", "response.content_part.added"]
+    part_done = ["response.content_part.done", "response.output_item.done"]
+    assert [e.type for e in events] == [
+        "response.created",
+        "response.in_progress",
+        *item,
+        *["response.reasoning_text.delta"] * 2,
+        "response.reasoning_text.done",
+        *part_done,
+        *item,
+        "response.output_text.delta",
+        "response.output_text.done",
+        *part_done,
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    final = Response.model_validate(raw[-1]["response"])
+    assert [i.type for i in final.output] == ["reasoning", "message", "function_call"]
+    assert final.output[0].content[0].text == "Let me think. Done."
+    assert final.output_text == "Calling f." and final.output[2].arguments == '{"a": 1}'
+    assert final.status == "completed" and final.usage.total_tokens == 12
+    # The same answer whole (as a non-streamed request builds it) gives the same items.
+    whole = OutputBuilder(ResponseObject(id="resp_2", created_at=0, model="m"))
+    calls = [CallDelta(0, '{"a": 1}', "call_1", "f")]
+    whole.feed(ChatDelta(0, "Calling f.", "Let me think. Done.", calls, None, "tool_calls"))
+    whole.finish("tool_calls", usage)
+    strip = {"__all__": {"id"}}
+    assert whole.response.model_dump(include={"output"}, exclude={"output": strip}) == (
+        builder.response.model_dump(include={"output"}, exclude={"output": strip})
+    )
+
+
 def test_the_store_is_bounded_and_forgets_the_least_recently_used():
     store = ResponseStore(capacity=2)
     for name in ("a", "b"):
@@ -353,6 +435,10 @@ def test_unknown_fields_are_accepted(base_url, llm):
     r = httpx.post(f"{base_url}/v1/responses", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["truncation"] == "auto" and r.json()["reasoning"] == {"effort": "low"}
+    # The body validates as the SDK's type (its client only constructs, without checking).
+    from openai.types.responses import Response
+
+    assert Response.model_validate(r.json()).status == "incomplete"
 
 
 # -- the OpenAI Agents SDK ----------------------------------------------------------------------

@@ -188,6 +188,18 @@ def responses_error(e: APIError) -> APIError:
     return APIError(e.status, _renamed(e.message), param=param, code=e.code)
 
 
+def _leading_system_merged(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The instructions and the system or developer messages right after them as one system
+    message: many chat templates take a single one, at the start."""
+    n = 0
+    while n < len(messages) and messages[n]["role"] == "system":
+        n += 1
+    if n < 2:
+        return messages
+    text = "\n\n".join(m["content"] for m in messages[:n] if m["content"])
+    return [{"role": "system", "content": text}, *messages[n:]]
+
+
 def chat_body(
     req: ResponsesRequest, history: list[dict[str, Any]], messages: list[dict[str, Any]]
 ) -> dict[str, Any]:
@@ -196,7 +208,7 @@ def chat_body(
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     body: dict[str, Any] = {
         "model": req.model,
-        "messages": system + history + messages,
+        "messages": _leading_system_merged(system + history + messages),
         "tools": chat_tools(req.tools),
         "tool_choice": chat_tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls,

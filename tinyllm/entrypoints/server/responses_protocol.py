@@ -132,6 +132,7 @@ OutputItem = OutputMessage | OutputFunctionCall | OutputReasoning
 
 class InputTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    cache_write_tokens: int = 0  # OpenAI's explicit cache writes: the prefix cache needs none
 
 
 class OutputTokensDetails(BaseModel):
