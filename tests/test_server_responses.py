@@ -454,8 +454,9 @@ class Place(BaseModel):
     country: str = Field(max_length=20)
 
 
-def run_agent(base_url: str, model_name: str, prompt: str, **agent_kwargs):
-    """An Agent on the SDK's default Responses model class pointed at the server."""
+def run_agent(base_url: str, model_name: str, prompt: str, chained: bool = False, **agent_kwargs):
+    """An Agent on the SDK's default Responses model class pointed at the server; `chained`:
+    each turn continues the last by previous_response_id, sending only what is new."""
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
 
@@ -464,7 +465,9 @@ def run_agent(base_url: str, model_name: str, prompt: str, **agent_kwargs):
         model = agents.OpenAIResponsesModel(model=model_name, openai_client=client)
         agent = agents.Agent(name="tester", instructions="Be brief.", model=model, **agent_kwargs)
         try:
-            return await agents.Runner.run(agent, prompt, max_turns=4)
+            return await agents.Runner.run(
+                agent, prompt, max_turns=4, auto_previous_response_id=chained
+            )
         finally:
             await client.close()
 
@@ -477,7 +480,8 @@ def agent_settings(**kwargs):
     return ModelSettings(temperature=0, max_tokens=48, **kwargs)
 
 
-def test_agents_sdk_function_tool_loop(base_url, llm):
+@pytest.mark.parametrize("chained", [False, True], ids=["stateless", "previous_response_id"])
+def test_agents_sdk_function_tool_loop(base_url, llm, chained):
     from agents import function_tool
 
     seen = []
@@ -492,6 +496,7 @@ def test_agents_sdk_function_tool_loop(base_url, llm):
         base_url,
         llm.model_name,
         "What is the weather in Paris?",
+        chained=chained,
         tools=[get_weather],
         model_settings=agent_settings(tool_choice="required"),
     )
@@ -500,6 +505,9 @@ def test_agents_sdk_function_tool_loop(base_url, llm):
     # tool_choice after a call).
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and len(seen) >= 1
     assert kinds[-1] == "message_output_item" and isinstance(result.final_output, str)
+    # Each turn's prompt holds the one before: the stored conversation was continued.
+    inputs = [r.usage.input_tokens for r in result.raw_responses]
+    assert inputs == sorted(inputs) and inputs[0] < inputs[-1]
 
 
 def test_agents_sdk_streamed_run(base_url, llm):

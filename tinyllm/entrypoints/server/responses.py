@@ -33,6 +33,8 @@ log = logging.getLogger("tinyllm.server")
 
 
 class ResponsesServing:
+    """Responses requests into chat runs, and their answers into response objects or events."""
+
     def __init__(self, chat: ChatServing, store: ResponseStore) -> None:
         self.chat, self.store = chat, store
 
