@@ -30,6 +30,7 @@ from tinyllm.entrypoints.server.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from tinyllm.entrypoints.server.responses import install_responses_routes
 from tinyllm.entrypoints.server.serving import OpenAIServing
 from tinyllm.host.memory import resident_bytes
 
@@ -147,6 +148,7 @@ def create_app(
             raise APIError(400, f"token id {bad[0]} is outside [0, {vocab})", param="tokens")
         return {"prompt": await run_in_threadpool(tokenizer.decode, req.tokens)}
 
+    install_responses_routes(app, chat)
     return app
 
 
