@@ -34,6 +34,7 @@ class ChoiceResult:
     num_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
     num_cached_tokens: int = 0  # of its prompt, from the prefix cache
     prompt_logprobs: list[TokenLogprob | None] | None = None  # asked by echo with logprobs
 
@@ -45,7 +46,7 @@ class ChoiceResult:
         self.num_tokens += len(out.token_ids)
         if out.logprobs is not None:
             self.logprobs = (self.logprobs or []) + out.logprobs
-        self.finish_reason = out.finish_reason
+        self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
 
 
 class Generation:
