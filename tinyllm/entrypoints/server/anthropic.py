@@ -106,6 +106,12 @@ def _chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         body["tool_choice"] = _tool_choice(choice.type, choice.name)
         if choice.disable_parallel_tool_use is not None:
             body["parallel_tool_calls"] = not choice.disable_parallel_tool_use
+    fmt = req.output_config.format if req.output_config is not None else None
+    if fmt is not None:  # structured output: the text answer follows the schema
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "output", "schema": fmt.schema_},
+        }
     if isinstance(req, MessagesRequest):
         body["max_tokens"] = req.max_tokens
         fields = {"stop": req.stop_sequences, "temperature": req.temperature}
@@ -208,11 +214,16 @@ def _bad(message: str) -> APIError:
 
 def _in_our_words(e: APIError) -> APIError:
     """An error from the chat path names OpenAI's fields: name the ones the client sent."""
-    words = {".function.parameters": ".input_schema", "stop:": "stop_sequences:"}
+    words = {
+        ".function.parameters": ".input_schema",
+        "response_format.json_schema.schema": "output_config.format.schema",
+        "response_format": "output_config.format",
+        "stop:": "stop_sequences:",
+    }
     message = e.message
     for openai, anthropic in words.items():
         message = message.replace(openai, anthropic)
-    param = "stop_sequences" if e.param == "stop" else e.param
+    param = {"stop": "stop_sequences", "response_format": "output_config"}.get(e.param, e.param)
     return APIError(e.status, message, param=param, code=e.code)
 
 

@@ -59,6 +59,16 @@ class ThinkingConfig(_Body):
     budget_tokens: int | None = Field(None, ge=1)
 
 
+class OutputFormat(_Body):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")  # "schema" would shadow BaseModel.schema
+
+
+class OutputConfig(_Body):
+    format: OutputFormat | None = None
+    effort: str | None = None  # accepted, not used
+
+
 class CountTokensRequest(_Body):
     model: str
     messages: list[MessageParam] = Field(min_length=1)
@@ -66,6 +76,7 @@ class CountTokensRequest(_Body):
     tools: list[ToolParam] | None = Field(None, max_length=128)
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
 
 
 class MessagesRequest(CountTokensRequest):
