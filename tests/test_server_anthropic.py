@@ -281,3 +281,25 @@ def test_unknown_route_and_openai_routes_keep_their_shape(server, client):
     assert_error(post(server, {}, "/v1/messages/nothing"), 404, "not_found_error")
     r = httpx.post(f"{server}/v1/chat/completions", json={}, headers={"x-api-key": KEY})
     assert r.status_code == 400 and set(r.json()) == {"error"}
+
+
+def test_output_config_format(client):
+    schema = {
+        "type": "object",
+        "properties": {"capital": {"type": "string", "maxLength": 20}},
+        "required": ["capital"],
+        "additionalProperties": False,
+    }
+    m = client.messages.create(
+        model=client.model,
+        max_tokens=64,
+        messages=USER,
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+    )
+    assert m.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(m.content[0].text), schema)
+
+
+def test_body_over_the_limit_in_anthropic_shape(server, still_serving):
+    big = {"messages": [{"role": "user", "content": "x" * (5 << 20)}]}
+    assert_error(post(server, big), 413, "request_too_large", "limit")
