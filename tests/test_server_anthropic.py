@@ -8,9 +8,14 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
+from anthropic.lib.streaming._messages import accumulate_event
 
 from tests.http_server import serving
+from tinyllm.entrypoints.server.anthropic import BlockEvents, content_blocks
 from tinyllm.entrypoints.server.app import create_app
+from tinyllm.entrypoints.server.chat_run import ChatAnswer, ChatDelta
+from tinyllm.text.answer import AnswerDelta
+from tinyllm.text.tool_calls import CallDelta
 
 pytestmark = pytest.mark.slow
 
@@ -303,3 +308,33 @@ def test_output_config_format(client):
 def test_body_over_the_limit_in_anthropic_shape(server, still_serving):
     big = {"messages": [{"role": "user", "content": "x" * (5 << 20)}]}
     assert_error(post(server, big), 413, "request_too_large", "limit")
+
+
+def test_thinking_text_and_calls_stream_as_the_whole_message():
+    """Every kind of block in one answer (the default model does not think): its stream events,
+    accumulated by the SDK's own stream helper code, give the blocks of the whole answer."""
+    deltas = [
+        ChatDelta(0, reasoning="Let me"),
+        ChatDelta(0, reasoning=" think.", content="Calling"),
+        ChatDelta(0, content=" it.", calls=[CallDelta(0, '{"city": "Pa', "call_1", "get_weather")]),
+        ChatDelta(0, calls=[CallDelta(0, 'ris", "unit": "C"}')]),
+        ChatDelta(0, calls=[CallDelta(1, "", "call_2", "other"), CallDelta(1, "{}")]),
+    ]
+    answer, blocks = ChatAnswer(), BlockEvents()
+    events = ['event: message_start\ndata: {"type": "message_start", "message": {"id": "msg_1", '
+              '"type": "message", "role": "assistant", "model": "m", "content": [], '
+              '"usage": {"input_tokens": 1, "output_tokens": 0}}}\n\n']  # fmt: skip
+    for d in deltas:
+        answer.add(AnswerDelta(d.content, d.reasoning, d.calls))
+        events += blocks.feed(d)
+    events += blocks.close()
+    snapshot, json_bufs = None, {}
+    for e in events:
+        data = json.loads(e.split("\ndata: ", 1)[1])
+        snapshot = accumulate_event(event=data, current_snapshot=snapshot, json_bufs=json_bufs)
+    kinds = [json.loads(e.split("\ndata: ", 1)[1])["type"] for e in events]
+    assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 4
+    streamed = [b.model_dump(exclude_none=True) for b in snapshot.content]
+    assert streamed == [b.model_dump() for b in content_blocks(answer)]
+    assert [b["type"] for b in streamed] == ["thinking", "text", "tool_use", "tool_use"]
+    assert streamed[2]["input"] == {"city": "Paris", "unit": "C"}

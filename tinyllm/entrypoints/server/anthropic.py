@@ -19,11 +19,12 @@ from tinyllm.entrypoints.server.anthropic_protocol import (
     MessageUsage,
     TextOut,
     ThinkingOut,
+    ToolParam,
     ToolUseOut,
     error_body,
 )
 from tinyllm.entrypoints.server.chat_run import ChatAnswer, ChatDelta, ChatRun, ChatServing
-from tinyllm.entrypoints.server.engine_requests import chat_prompt
+from tinyllm.entrypoints.server.engine_requests import chat_prompt, request_constraint
 from tinyllm.entrypoints.server.errors import APIError, add_error_shape
 from tinyllm.entrypoints.server.protocol import ChatCompletionRequest, Usage
 from tinyllm.entrypoints.server.tools import plan_tools
@@ -60,7 +61,7 @@ def install_anthropic_routes(app: FastAPI, chat: ChatServing) -> None:
         return MessageResponse(
             id=run.request_id,
             model=chat.model_name,
-            content=_blocks(answer),
+            content=content_blocks(answer),
             **_stop(run, answer.finish_reason, req.stop_sequences or []),
             usage=_usage(run.usage()),
         )
@@ -70,7 +71,7 @@ def install_anthropic_routes(app: FastAPI, chat: ChatServing) -> None:
         chat_req = _chat_request(req)
         chat.check_fields(chat_req)
         try:  # rendered as /v1/messages renders it: the same tools, the same template
-            tools = plan_tools(chat_req, False)
+            tools = plan_tools(chat_req, request_constraint(chat_req) is not None)
             prompt = await run_in_threadpool(
                 chat_prompt, chat.tokenizer, chat_req.messages, tools=tools.tools
             )
@@ -187,7 +188,7 @@ def _unserved(b: Block, where: str, served: str) -> None:
     raise _bad(f"{where}: {b.type!r} blocks are not supported here (only {served})")
 
 
-def _tool(t, i: int) -> dict[str, Any]:
+def _tool(t: ToolParam, i: int) -> dict[str, Any]:
     if t.type not in (None, "custom"):
         raise APIError(
             400, f"tools.{i}.type: server tool {t.type!r} is not supported", param="tools"
@@ -244,7 +245,8 @@ def _input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _blocks(a: ChatAnswer) -> list[ThinkingOut | TextOut | ToolUseOut]:
+def content_blocks(a: ChatAnswer) -> list[ThinkingOut | TextOut | ToolUseOut]:
+    """A whole answer's blocks, in the order a stream of it opens them."""
     blocks: list[ThinkingOut | TextOut | ToolUseOut] = []
     if a.reasoning:
         blocks.append(ThinkingOut(thinking=a.reasoning, signature=SIGNATURE))
@@ -277,7 +279,7 @@ def _event(data: dict[str, Any]) -> str:
     return f"event: {data['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-class _Blocks:
+class BlockEvents:
     """The content blocks of a streamed message: each delta's reasoning, text and call pieces
     into block start, delta and stop events, one block open at a time."""
 
@@ -346,7 +348,7 @@ async def _stream(run: ChatRun, model: str, stop_sequences: list[str]) -> AsyncI
         }
         yield _event({"type": "message_start", "message": message})
         yield _event({"type": "ping"})
-        blocks = _Blocks()
+        blocks = BlockEvents()
         async for d in run.deltas():
             for event in blocks.feed(d):
                 yield event
