@@ -5,7 +5,7 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NoReturn
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -184,7 +184,7 @@ def _text(b: Block, where: str) -> str:
     return b.text
 
 
-def _unserved(b: Block, where: str, served: str) -> None:
+def _unserved(b: Block, where: str, served: str) -> NoReturn:
     raise _bad(f"{where}: {b.type!r} blocks are not supported here (only {served})")
 
 
