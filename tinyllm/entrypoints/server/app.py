@@ -17,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from tinyllm import __version__
 from tinyllm.entrypoints.llm import LLM
+from tinyllm.entrypoints.server.anthropic import install_anthropic_routes
 from tinyllm.entrypoints.server.chat_run import ChatServing
 from tinyllm.entrypoints.server.engine_loop import EngineLoop
 from tinyllm.entrypoints.server.engine_requests import chat_prompt, encode
@@ -66,11 +67,17 @@ def create_app(
     async def check_api_key(request: Request) -> None:
         if api_key is None or request.url.path in _OPEN_PATHS:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # Anthropic's clients send the key as x-api-key, OpenAI's as a bearer token.
+        token = request.headers.get("x-api-key")
+        if token is None:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            token = token if scheme.lower() == "bearer" else ""
         # compare_digest: how long the comparison takes says nothing about the key.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_key.encode()):
+        if not token or not hmac.compare_digest(token.encode(), api_key.encode()):
             raise APIError(
-                401, "missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key"
+                401,
+                "missing or wrong API key (Authorization: Bearer ... or x-api-key: ...)",
+                code="invalid_api_key",
             )
 
     app = FastAPI(
@@ -122,6 +129,8 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.chat(req, raw)
+
+    install_anthropic_routes(app, chat)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:

@@ -1,7 +1,9 @@
-"""Every failure reaches the client in OpenAI's shape: {"error": {message, type, param, code}}."""
+"""Every failure reaches the client in OpenAI's shape ({"error": {message, type, param, code}}),
+or in the shape a dialect registered for its routes with `add_error_shape`."""
 
 import logging
 import re
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,6 +39,23 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
+# An APIError as a dialect's error body.
+ErrorShape = Callable[[APIError], dict]
+
+
+def add_error_shape(app: FastAPI, prefix: str, shape: ErrorShape) -> None:
+    """Errors on `prefix` and the paths under it are answered in `shape`'s body."""
+    app.state.error_shapes[prefix] = shape
+
+
+def error_response(app: FastAPI, path: str, exc: APIError) -> JSONResponse:
+    """`exc` in the shape of the dialect that owns `path` (OpenAI's by default)."""
+    for prefix, shape in app.state.error_shapes.items():
+        if path == prefix or path.startswith(prefix + "/"):
+            return JSONResponse(shape(exc), status_code=exc.status)
+    return exc.response()
+
+
 def invalid_params(e: ValueError) -> APIError:
     """A 400 for a ValueError from SamplingParams or the engine, naming the field when it can."""
     m = re.match(r"SamplingParams\.(\w+)", str(e))
@@ -69,10 +88,12 @@ def _sent_json(request: Request) -> bool:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    app.state.error_shapes = {}
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         log.info("%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message)
-        return exc.response()
+        return error_response(request.app, request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -95,7 +116,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("%s %s failed", request.method, request.url.path)
-        return APIError(500, f"internal server error: {type(exc).__name__}").response()
+        err = APIError(500, f"internal server error: {type(exc).__name__}")
+        return error_response(request.app, request.url.path, err)
 
 
 class BodyLimitMiddleware:
@@ -113,7 +135,9 @@ class BodyLimitMiddleware:
         if length.isdigit() and int(length) > self.limit:
             err = APIError(413, message, code="request_too_large")
             log.info("%s %s -> 413: %s", scope["method"], scope["path"], message)
-            return await err.response()(scope, receive, send)
+            # scope["app"]: the FastAPI app this middleware wraps (Starlette sets it first)
+            response = error_response(scope["app"], scope["path"], err)
+            return await response(scope, receive, send)
         seen = 0
 
         async def receive_counted() -> Message:

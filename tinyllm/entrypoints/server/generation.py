@@ -35,6 +35,7 @@ class ChoiceResult:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
     num_cached_tokens: int = 0  # of its prompt, from the prefix cache
     prompt_logprobs: list[TokenLogprob | None] | None = None  # asked by echo with logprobs
 
@@ -47,7 +48,7 @@ class ChoiceResult:
         self.token_ids += out.token_ids
         if out.logprobs is not None:
             self.logprobs = (self.logprobs or []) + out.logprobs
-        self.finish_reason = out.finish_reason
+        self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
 
 
 class Generation:
