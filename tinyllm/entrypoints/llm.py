@@ -77,6 +77,7 @@ class LLM:
         # Rank 0's part first: a model that does not split fails here, before any worker.
         loaded = load_model(load_config, dev, 0, tp)
         self.model_name = loaded.name
+        self.model_path = loaded.path  # the weights: a file, or a directory of them
         self.tokenizer = loaded.tokenizer
         self.default_sampling = default_sampling(own.generation_config, loaded.path, loaded.reader)
         try:
