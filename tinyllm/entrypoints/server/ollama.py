@@ -38,6 +38,7 @@ from tinyllm.entrypoints.server.ollama_protocol import (
 from tinyllm.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
 from tinyllm.entrypoints.server.tools import ToolPlan
 from tinyllm.model.quant import QuantLinear
+from tinyllm.text.tool_calls import ToolCall
 
 log = logging.getLogger("tinyllm.server")
 
@@ -274,7 +275,7 @@ class OllamaServing:
         content, thinking = (answer.content, answer.reasoning) if whole else ("", "")
         final = self._head(model, kind, content, thinking)
         if whole and answer.calls:
-            final["message"]["tool_calls"] = _tool_calls(run)
+            final["message"]["tool_calls"] = ollama_calls(run.answers[0].calls)
         reason = "stop" if answer.finish_reason == "tool_calls" else answer.finish_reason
         return final | {"done": True, "done_reason": reason} | timer.fields(run)
 
@@ -302,7 +303,7 @@ class OllamaServing:
                     yield _line(self._head(model, kind, d.content, d.reasoning) | {"done": False})
             if run.answers[0].calls:
                 head = self._head(model, kind)
-                head["message"]["tool_calls"] = _tool_calls(run)
+                head["message"]["tool_calls"] = ollama_calls(run.answers[0].calls)
                 yield _line(head | {"done": False})
             yield _line(self._final(run, model, kind, timer, whole=False))
         except APIError as e:
@@ -356,11 +357,18 @@ def _line(obj: dict) -> str:
     return json.dumps(obj) + "\n"
 
 
-def _tool_calls(run: ChatRun) -> list[dict]:
-    calls = []
-    for c in run.answers[0].calls:
-        calls.append({"function": {"name": c.name, "arguments": json.loads(c.arguments or "{}")}})
-    return calls
+def ollama_calls(calls: list[ToolCall]) -> list[dict]:
+    """OpenAI-shaped calls as Ollama's: arguments an object. A call cut short (by num_predict)
+    has no whole object and is left out; done_reason "length" says the answer was cut."""
+    out = []
+    for c in calls:
+        try:
+            arguments = json.loads(c.arguments or "{}")
+        except ValueError:
+            continue
+        if c.complete and isinstance(arguments, dict):
+            out.append({"function": {"name": c.name, "arguments": arguments}})
+    return out
 
 
 async def _drain(run: ChatRun, timer: _Timer, disconnected: Callable[[], Awaitable[bool]]) -> bool:
