@@ -3,6 +3,7 @@ translated into the shared chat path (chat_run): NDJSON streams, Ollama's error 
 ({"error": "..."}) and its timing fields. docs/API_OLLAMA.md says what is supported."""
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -163,9 +164,14 @@ class _Timer:
 class OllamaServing:
     def __init__(self, chat: ChatServing, llm: LLM) -> None:
         self.chat, self.name = chat, chat.model_name
-        self.max_model_len = llm.engine.max_model_len
-        self.template = chat.tokenizer.chat_template or ""
-        self.info = _model_info(llm)
+        self.llm, self.max_model_len = llm, llm.engine.max_model_len
+        tokenizer = chat.tokenizer  # None with dummy weights
+        self.template = (tokenizer.chat_template if tokenizer is not None else None) or ""
+
+    @functools.cached_property
+    def info(self) -> dict[str, Any]:
+        # On first use: apps built around a stand-in LLM (tests) need not describe a model.
+        return _model_info(self.llm)
 
     def check_model(self, model: str | None) -> str:
         if model not in (self.name, f"{self.name}:latest"):
@@ -177,7 +183,8 @@ class OllamaServing:
             return {}
         if think and "<think>" not in self.template:
             raise APIError(400, f'"{self.name}" does not support thinking')
-        return {"chat_template_kwargs": {"enable_thinking": bool(think)}}
+        # The chat path maps this onto the template's switch (Qwen3's enable_thinking).
+        return {"enable_thinking": bool(think)}
 
     def _request(self, body: ChatRequest | GenerateRequest, extra: dict) -> dict[str, Any]:
         """The fields every internal request shares, from the body's format, options, think."""
