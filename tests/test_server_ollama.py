@@ -218,6 +218,19 @@ def test_errors_in_ollama_shape(url, client, name):
     assert client.chat(name, HELLO, options={"num_predict": 2}).eval_count == 2
 
 
+def test_think_and_keep_alive(url, client, name):
+    # The default model does not think: think true is refused by name, false is accepted.
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(name, HELLO, think=True)
+    assert e.value.status_code == 400 and "does not support thinking" in e.value.error
+    out = client.chat(name, HELLO, think=False, keep_alive="5m", options={"num_predict": 2})
+    assert out.done and out.message.thinking is None
+    # a client that sends content null (an assistant turn with calls only)
+    turns = [*HELLO, {"role": "assistant", "content": None}, {"role": "user", "content": "Go on"}]
+    body = {"model": name, "messages": turns, "stream": False, "options": {"num_predict": 2}}
+    assert httpx.post(f"{url}/api/chat", json=body).json()["eval_count"] == 2
+
+
 def test_load_requests(url, name):
     r = httpx.post(f"{url}/api/generate", json={"model": name})
     assert r.json()["done_reason"] == "load" and r.json()["done"]

@@ -85,7 +85,7 @@ def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
     for i, m in enumerate(messages):
         if m.images:
             raise APIError(400, f"messages.{i}.images: images are not supported (text only)")
-        msg: dict[str, Any] = {"role": m.role, "content": m.content}
+        msg: dict[str, Any] = {"role": m.role, "content": m.content or ""}
         if m.role == "assistant" and m.tool_calls:
             calls = []
             for j, c in enumerate(m.tool_calls):

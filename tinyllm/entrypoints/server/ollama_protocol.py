@@ -38,7 +38,7 @@ class ToolCall(_Body):
 
 class Message(_Body):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str = ""
+    content: str | None = None
     thinking: str | None = None  # an assistant's earlier thinking: not sent back to the model
     images: list[str] | None = None
     tool_calls: list[ToolCall] | None = None
