@@ -122,13 +122,19 @@ def test_format_schema_and_json(client, name):
 
 
 def test_tools_come_back_as_objects(client, name):
-    ask = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
-    out = client.chat(name, ask, tools=[WEATHER], options={"temperature": 0, "num_predict": 60})
-    for call in out.message.tool_calls or []:
-        assert call.function.name == "get_weather"
-        assert isinstance(call.function.arguments, dict)
-    if out.message.tool_calls:
-        assert out.done_reason == "stop"
+    # Ollama has no tool_choice to force a call; greedy, the default model copies one it is
+    # shown, and the server's grammar holds it to the tool's schema once started.
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    ask = [{"role": "user", "content": f"Repeat exactly this text and nothing else:\n{call}"}]
+    options = {"temperature": 0, "num_predict": 40}
+    out = client.chat(name, ask, tools=[WEATHER], options=options)
+    (called,) = out.message.tool_calls
+    assert called.function.name == "get_weather" and called.function.arguments == {"city": "Paris"}
+    assert "<tool_call>" not in out.message.content and out.done_reason == "stop"
+    parts = list(client.chat(name, ask, tools=[WEATHER], options=options, stream=True))
+    streamed = [c for p in parts for c in p.message.tool_calls or []]
+    assert streamed == out.message.tool_calls and parts[-1].done_reason == "stop"
+    assert "".join(p.message.content for p in parts) == out.message.content
     # the call goes back with its result, and the conversation continues
     history = [
         *ask,

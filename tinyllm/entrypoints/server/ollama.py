@@ -59,6 +59,13 @@ _SAMPLING = {
     "frequency_penalty": "frequency_penalty",
 }
 
+_UNSUPPORTED_GENERATE = {
+    "suffix": "fill-in-the-middle is not supported",
+    "template": "a template override is not supported; send raw: true with the prompt as it is",
+    "context": "the deprecated context is not supported; send the conversation to /api/chat",
+    "images": "images are not supported (text only)",
+}
+
 
 def _now() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
@@ -249,9 +256,9 @@ class OllamaServing:
         timer = _Timer()
         body: GenerateRequest = _parse(GenerateRequest, await _json(raw))
         model = self.check_model(body.model)
-        for name in ("suffix", "template", "context", "images"):
+        for name, why in _UNSUPPORTED_GENERATE.items():
             if getattr(body, name):
-                raise APIError(400, f"{name}: not supported by this server (see its docs)")
+                raise APIError(400, f"{name}: {why}")
         if not body.prompt:  # Ollama's way to load a model: nothing to run
             return JSONResponse(
                 self._head(model, "response") | {"done_reason": "load", "done": True}
