@@ -2,6 +2,7 @@
 official `ollama` Python client (and httpx where the client has no call for a route)."""
 
 import json
+from types import SimpleNamespace
 
 import httpx
 import jsonschema
@@ -9,6 +10,7 @@ import ollama
 import pytest
 
 from tests.http_server import serving
+from tinyllm.engine.engine import LLMEngine
 from tinyllm.entrypoints.server.app import create_app
 from tinyllm.entrypoints.server.ollama import chat_messages, ollama_calls
 from tinyllm.entrypoints.server.ollama_protocol import Message
@@ -32,9 +34,36 @@ WEATHER = {
 }
 
 
+class _StumblingEngine:
+    """The real engine, but its next step() raises when told to, as a fault outside any one
+    request's work would: every running request fails with an error."""
+
+    def __init__(self, engine):
+        self._engine, self.stumble = engine, False
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    outputs = LLMEngine.outputs  # runs this engine's step()
+
+    def step(self):
+        if self.stumble:
+            self.stumble = False
+            raise RuntimeError("simulated fault in a step")
+        return self._engine.step()
+
+
 @pytest.fixture(scope="module")
-def url(default_llm):
-    with serving(create_app(default_llm)) as base:
+def engine(default_llm):
+    return _StumblingEngine(default_llm.engine)
+
+
+@pytest.fixture(scope="module")
+def url(default_llm, engine):
+    llm = SimpleNamespace(**vars(default_llm))
+    llm.engine = engine
+    llm.get_default_sampling_params = default_llm.get_default_sampling_params
+    with serving(create_app(llm)) as base:
         yield base
 
 
@@ -235,6 +264,19 @@ def test_think_and_keep_alive(url, client, name):
     turns = [*HELLO, {"role": "assistant", "content": None}, {"role": "user", "content": "Go on"}]
     body = {"model": name, "messages": turns, "stream": False, "options": {"num_predict": 2}}
     assert httpx.post(f"{url}/api/chat", json=body).json()["eval_count"] == 2
+
+
+def test_an_engine_fault_ends_the_stream_with_an_error_line(url, client, name, engine):
+    engine.stumble = True
+    with pytest.raises(ollama.ResponseError, match="simulated fault"):
+        list(client.chat(name, HELLO, options=GREEDY, stream=True))
+    engine.stumble = True
+    body = {"model": name, "prompt": "Hi", "options": GREEDY}
+    with httpx.stream("POST", f"{url}/api/generate", json=body) as r:
+        assert r.headers["content-type"] == "application/x-ndjson"
+        lines = [json.loads(line) for line in r.iter_lines()]
+    assert "simulated fault" in lines[-1]["error"]
+    assert client.chat(name, HELLO, options={"num_predict": 2}).eval_count == 2
 
 
 def test_load_requests(url, name):
