@@ -3,15 +3,11 @@ translated into the shared chat path (chat_run): NDJSON streams, Ollama's error 
 ({"error": "..."}) and its timing fields. docs/API_OLLAMA.md says what is supported."""
 
 import asyncio
-import functools
-import hashlib
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,6 +24,7 @@ from tinyllm.entrypoints.server.engine_requests import (
 )
 from tinyllm.entrypoints.server.errors import APIError
 from tinyllm.entrypoints.server.generation import Generation
+from tinyllm.entrypoints.server.ollama_model import OllamaModel, rfc3339
 from tinyllm.entrypoints.server.ollama_protocol import (
     ChatRequest,
     Format,
@@ -38,14 +35,12 @@ from tinyllm.entrypoints.server.ollama_protocol import (
 )
 from tinyllm.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
 from tinyllm.entrypoints.server.tools import ToolPlan
-from tinyllm.model.quant import QuantLinear
 from tinyllm.text.tool_calls import ToolCall
 
 log = logging.getLogger("tinyllm.server")
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama API version whose fields this module follows
 NDJSON = "application/x-ndjson"
-_FAR_FUTURE = "2318-01-01T00:00:00Z"  # expires_at: the one model is never unloaded
 # Ollama's options -> the internal request's sampling fields (num_predict and num_ctx apart).
 _SAMPLING = {
     "temperature": "temperature",
@@ -68,7 +63,7 @@ _UNSUPPORTED_GENERATE = {
 
 
 def _now() -> str:
-    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+    return rfc3339(time.time())
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -170,26 +165,17 @@ class _Timer:
 
 class OllamaServing:
     def __init__(self, chat: ChatServing, llm: LLM) -> None:
-        self.chat, self.name = chat, chat.model_name
-        self.llm, self.max_model_len = llm, llm.engine.max_model_len
-        tokenizer = chat.tokenizer  # None with dummy weights
-        self.template = (tokenizer.chat_template if tokenizer is not None else None) or ""
-
-    @functools.cached_property
-    def info(self) -> dict[str, Any]:
-        # On first use: apps built around a stand-in LLM (tests) need not describe a model.
-        return _model_info(self.llm)
+        self.chat, self.max_model_len = chat, llm.engine.max_model_len
+        self.model = OllamaModel(llm, chat.defaults)
 
     def check_model(self, model: str | None) -> str:
-        if model not in (self.name, f"{self.name}:latest"):
-            raise APIError(404, f"model '{model}' not found")
-        return model
+        return self.model.check(model)
 
     def _thinking(self, think: object) -> dict[str, Any]:
         if think is None:
             return {}
-        if think and "<think>" not in self.template:
-            raise APIError(400, f'"{self.name}" does not support thinking')
+        if think and not self.model.thinks:
+            raise APIError(400, f'"{self.model.name}" does not support thinking')
         # The chat path maps this onto the template's switch (Qwen3's enable_thinking).
         return {"enable_thinking": bool(think)}
 
@@ -325,40 +311,6 @@ class OllamaServing:
         finally:
             run.close()
 
-    # -- the model ------------------------------------------------------------------------------
-
-    def tags(self) -> dict:
-        entry = {"name": f"{self.name}:latest", "model": f"{self.name}:latest"}
-        info = self.info
-        entry |= {k: info[k] for k in ("modified_at", "size", "digest", "details")}
-        return {"models": [entry]}
-
-    def show(self, body: ShowRequest) -> dict:
-        self.check_model(body.model or body.name)
-        info = self.info
-        defaults = self.chat.defaults
-        params = [f"num_ctx {self.max_model_len}"]
-        params += [f"temperature {defaults.temperature}", f"top_p {defaults.top_p}"]
-        params += [f"stop {json.dumps(s)}" for s in defaults.stop or []]
-        capabilities = ["completion", "tools"] + (
-            ["thinking"] if "<think>" in self.template else []
-        )
-        return {
-            "license": "",
-            "modelfile": f"FROM {self.name}\n",
-            "parameters": "\n".join(params),
-            "template": self.template,
-            "details": info["details"],
-            "model_info": info["model_info"],
-            "capabilities": capabilities,
-            "modified_at": info["modified_at"],
-        }
-
-    def ps(self) -> dict:
-        entry = self.tags()["models"][0]
-        entry |= {"expires_at": _FAR_FUTURE, "size_vram": 0, "context_length": self.max_model_len}
-        return {"models": [entry]}
-
 
 async def _json(raw: Request) -> Any:
     try:
@@ -408,59 +360,6 @@ async def _drain(run: ChatRun, timer: _Timer, disconnected: Callable[[], Awaitab
     return False
 
 
-def _model_info(llm: LLM) -> dict[str, Any]:
-    """What /api/tags and /api/show say about the served model, in Ollama's names."""
-    model = llm.engine.model
-    c, tp = model.config, model.config.tensor_parallel_size
-    heads, kv_heads, ffn = c.num_heads * tp, c.num_kv_heads * tp, c.intermediate_size * tp
-    h, hd = c.hidden_size, c.head_dim
-    layer = h * hd * (2 * heads + 2 * kv_heads) + 3 * h * ffn + 2 * h
-    params = c.vocab_size * h * (1 if c.tie_word_embeddings else 2) + c.num_layers * layer + h
-    bits = {m.bits for m in model.modules() if isinstance(m, QuantLinear)}
-    dtype = str(model.dtype).removeprefix("torch.")
-    quant = f"Q{min(bits)}" if bits else {"float32": "F32", "float16": "F16"}.get(dtype, "BF16")
-    path = Path(llm.model_path)
-    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
-    stats = [f.stat() for f in files]
-    size = sum(s.st_size for s in stats)
-    mtime = max((s.st_mtime for s in stats), default=time.time())
-    # Identifies the served file(s) (path, size, time), not a hash of their bytes.
-    digest = hashlib.sha256(f"{path}:{size}:{mtime}".encode()).hexdigest()
-    family = c.architecture
-    details = {
-        "parent_model": "",
-        "format": "gguf" if path.suffix == ".gguf" else "safetensors",
-        "family": family,
-        "families": [family],
-        "parameter_size": f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M",
-        "quantization_level": quant,
-    }
-    a = family
-    model_info = {
-        "general.architecture": a,
-        "general.parameter_count": params,
-        f"{a}.context_length": c.max_position_embeddings,
-        f"{a}.embedding_length": h,
-        f"{a}.block_count": c.num_layers,
-        f"{a}.feed_forward_length": ffn,
-        f"{a}.attention.head_count": heads,
-        f"{a}.attention.head_count_kv": kv_heads,
-        f"{a}.attention.key_length": hd,
-        f"{a}.attention.value_length": hd,
-        f"{a}.attention.layer_norm_rms_epsilon": c.rms_norm_eps,
-        f"{a}.rope.freq_base": c.rope_theta,
-        f"{a}.vocab_size": c.vocab_size,
-    }
-    modified = datetime.fromtimestamp(mtime, UTC).isoformat().replace("+00:00", "Z")
-    return {
-        "modified_at": modified,
-        "size": size,
-        "digest": digest,
-        "details": details,
-        "model_info": model_info,
-    }
-
-
 def install_ollama_routes(app: FastAPI, chat: ChatServing, llm: LLM) -> None:
     """Ollama's routes, answering errors in Ollama's shape ({"error": "..."})."""
     ollama = OllamaServing(chat, llm)
@@ -476,7 +375,8 @@ def install_ollama_routes(app: FastAPI, chat: ChatServing, llm: LLM) -> None:
         return wrapped
 
     async def show(raw: Request) -> dict:
-        return ollama.show(_parse(ShowRequest, await _json(raw)))
+        body: ShowRequest = _parse(ShowRequest, await _json(raw))
+        return ollama.model.show(body.model or body.name)
 
     async def version() -> dict:
         return {"version": OLLAMA_VERSION}
@@ -488,6 +388,6 @@ def install_ollama_routes(app: FastAPI, chat: ChatServing, llm: LLM) -> None:
     app.add_api_route("/api/chat", ollama_errors(ollama.chat_route), methods=["POST"])
     app.add_api_route("/api/generate", ollama_errors(ollama.generate_route), methods=["POST"])
     app.add_api_route("/api/show", ollama_errors(show), methods=["POST"])
-    app.add_api_route("/api/tags", ollama.tags, methods=["GET"])
-    app.add_api_route("/api/ps", ollama.ps, methods=["GET"])
+    app.add_api_route("/api/tags", ollama.model.tags, methods=["GET"])
+    app.add_api_route("/api/ps", ollama.model.ps, methods=["GET"])
     app.add_api_route("/api/version", version, methods=["GET"])
