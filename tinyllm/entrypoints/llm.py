@@ -81,6 +81,7 @@ class LLM:
         # Rank 0's part first: a model that does not split fails here, before any worker.
         loaded = load_model(load_config, dev, 0, tp)
         self.model_name = loaded.name
+        self.model_path = loaded.path  # the weights: a file, or a directory of them
         self.tokenizer = loaded.tokenizer
         # How tool calls are written: the chat template's format unless tool_call_parser names one.
         self.tool_format = tool_format(own.tool_call_parser, self.tokenizer.chat_template)

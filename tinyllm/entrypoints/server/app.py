@@ -23,6 +23,7 @@ from tinyllm.entrypoints.server.engine_loop import EngineLoop
 from tinyllm.entrypoints.server.engine_requests import chat_prompt, encode
 from tinyllm.entrypoints.server.errors import APIError, BodyLimitMiddleware, install_error_handlers
 from tinyllm.entrypoints.server.metrics import ServerMetrics
+from tinyllm.entrypoints.server.ollama import install_ollama_routes
 from tinyllm.entrypoints.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -89,6 +90,7 @@ def create_app(
     app.state.engine_loop = engine_loop  # Server stops it first, to end the live streams
     app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes)
     install_error_handlers(app)
+    install_ollama_routes(app, chat, llm)
 
     @app.get("/health")
     async def health() -> Response:
