@@ -87,6 +87,9 @@ inline const int8_t* codes(const Quantized& x, int64_t r, int64_t b) {
   return x.q + ((i / kGroup * x.blocks + b) * kGroup + i % kGroup) * 2 * kBlock;
 }
 
+// The bytes from a row's codes of one block to the next.
+constexpr int64_t kCodeStride = kGroup * 2 * kBlock;
+
 // A call's activations from `first` on.
 inline Quantized from_row(const Quantized& x, int64_t first) {
   return {x.q, x.d + first * x.blocks, x.s + first * x.blocks, x.blocks, x.first + first};
@@ -173,6 +176,8 @@ void tile_dot(const uint8_t* tile, const Quantized& x, int64_t b0, int64_t b1,
               float (*acc)[kRows]) {
   __m512 sum[R];
   for (int r = 0; r < R; ++r) sum[r] = _mm512_loadu_ps(acc[r]);
+  const int8_t* row[R];  // each row's codes of block 0
+  for (int r = 0; r < R; ++r) row[r] = codes(x, r, 0);
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* rec = tile + b * record_bytes(BITS);
@@ -191,7 +196,7 @@ void tile_dot(const uint8_t* tile, const Quantized& x, int64_t b0, int64_t b1,
     const __m512 m =
         _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32)));
     for (int r = 0; r < R; ++r) {
-      const int8_t* q = codes(x, r, b);
+      const int8_t* q = row[r] + b * kCodeStride;
       // A chain per code and parity, so consecutive multiply-adds do not wait on each other.
       __m512i dots[2][2] = {};
       for (int c = 0; c < 8; ++c) {
@@ -435,6 +440,8 @@ void tile_dot(const uint8_t* tile, const Quantized& x, int64_t b0, int64_t b1,
               float (*acc)[kRows]) {
   constexpr bool s8 = BITS == 8 && !kVnni;
   const __m256i low = _mm256_set1_epi8(0x0F);
+  const int8_t* row[R];  // each row's codes of block 0
+  for (int r = 0; r < R; ++r) row[r] = codes(x, r, 0);
   for (int half = 0; half < 2; ++half) {
     __m256 sum[R];
     for (int r = 0; r < R; ++r) sum[r] = _mm256_loadu_ps(acc[r] + 8 * half);
@@ -442,10 +449,11 @@ void tile_dot(const uint8_t* tile, const Quantized& x, int64_t b0, int64_t b1,
       const uint8_t* rec = tile + b * record_bytes(BITS);
       if (half == 0) prefetch<BITS>(rec);
       const int8_t* q[R];
-      for (int r = 0; r < R; ++r) q[r] = codes(x, r, b);
+      for (int r = 0; r < R; ++r) q[r] = row[r] + b * kCodeStride;
       __m256i dots[R][2];  // row r's q1 and q2 sums, as `accumulate` keeps them
       for (int r = 0; r < R; ++r) dots[r][0] = dots[r][1] = _mm256_setzero_si256();
-      for (int c = 0; c < 8; ++c) {
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) {  // unrolled: no branch on c's parity, each load once
         const int chunk = BITS == 4 ? c / 2 : c;
         const __m256i v =
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * chunk + 32 * half));
