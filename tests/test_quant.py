@@ -134,6 +134,29 @@ def test_quant_linear_is_dequantize_then_matmul(bits, rows, shape):
     assert (layer(x) - exact).abs().max() < 1e-4 * exact.abs().max()
 
 
+def assert_rows_alone_match_batched() -> None:
+    """Each row's outputs have the same bits alone as among many: prompts run in slices of rows
+    and spans of blocks (K = 4160: 130 blocks, past one span and not a multiple of it; 150
+    rows, past one slice), decode rows in groups of 4, and neither may change a row's sums."""
+    from tinyllm.model.quant import int4_groups, int8_groups, pack
+
+    gen = torch.Generator().manual_seed(4)
+    for bits, quantize in ((4, int4_groups), (8, int8_groups)):
+        g = quantize(torch.randn(40, 4160, generator=gen) * 0.02)
+        packed = pack(g)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(150, 4160, generator=gen).to(dtype)
+            y = torch.ops.tinyllm.quant_linear(x, packed, 40, bits)
+            for part in (slice(0, 1), slice(61, 62), slice(149, 150), slice(3, 6), slice(9, 140)):
+                alone = torch.ops.tinyllm.quant_linear(x[part].contiguous(), packed, 40, bits)
+                assert torch.equal(alone, y[part]), (bits, dtype, part)
+
+
+def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it():
+    assert cpu_library.library_error() is None  # loads the library
+    assert_rows_alone_match_batched()
+
+
 def test_quant_linear_takes_bf16_activations():
     gen = torch.Generator().manual_seed(1)
     groups = random_groups(64, 256, 4, gen)
@@ -258,7 +281,7 @@ load(name=f"tinyllm_quant_{level}", sources=[str(HERE / "quant_linear.cpp")],
 """
 OTHER_LEVEL = """
 from tinyllm.model.quant import int4_groups, int8_groups, pack
-from tests.test_quant import quantized_activations
+from tests.test_quant import assert_rows_alone_match_batched, quantized_activations
 
 gen = torch.Generator().manual_seed(0)
 for bits, quantize in ((4, int4_groups), (8, int8_groups)):
@@ -268,6 +291,7 @@ for bits, quantize in ((4, int4_groups), (8, int8_groups)):
         y = torch.ops.tinyllm.quant_linear(x, pack(g), 40, bits)
         expected = quantized_activations(x).double() @ g.dequantize().double().T
         torch.testing.assert_close(y.double(), expected, rtol=1e-4, atol=1e-3)
+assert_rows_alone_match_batched()
 print("ok")
 """
 

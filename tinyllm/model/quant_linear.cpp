@@ -12,6 +12,11 @@
 // memory; this one reads each weight byte once and does a few instructions per 32 weights.
 // With AMX, calls of 5 rows and more (verifying drafts, batches, prefill) take each block's
 // integer dots as tile products, faster and with the same bits.
+// Many rows (prompts, batches) run as a blocked matrix product: each task takes the rows in
+// slices whose codes stay in L2, a tile's blocks in spans that stay in L1, and groups of 4 rows
+// against a span in registers, the 16 output rows in a vector's lanes, each weight chunk
+// unpacked once for the group. Every output still sums its blocks in order with the same float
+// steps, so a row's bits never depend on the rows that share its call.
 //
 // Layout (model/quant.py packs it, in torch): output rows in tiles of 16, so the 16 lanes of a
 // vector hold 16 output rows and no horizontal sum is ever needed. For tile t and block b, one
@@ -50,6 +55,8 @@ constexpr int64_t kRows = 16;   // output rows per tile
 constexpr int64_t kBlock = 32;  // weights per scale
 constexpr float kFine = 254.f;  // q2's grid: 254 steps to one of q1's (|x - dx q1| <= dx / 2)
 constexpr int kMaxRows = 4;     // activation rows sharing one pass over a tile's codes
+constexpr int64_t kSliceBytes = 512 << 10;  // activation codes a task holds in L2 at a time
+constexpr int64_t kSpanBlocks = 64;         // a tile's blocks a task holds in L1 at a time
 // Records fetched ahead of use, into L2: at one activation row the kernel is bound by memory,
 // and the hardware prefetcher alone leaves part of the bandwidth unused. Into L2 rather than
 // L1, because a model's decode linears run faster per thread that way
@@ -60,20 +67,32 @@ constexpr int64_t kAhead = 32;
 constexpr int64_t code_bytes(int bits) { return kRows * kBlock * bits / 8; }
 constexpr int64_t record_bytes(int bits) { return code_bytes(bits) + 2 * kRows * 2; }
 
-// Activations as int8 blocks: row i's block b is q[(b * rows + i) * 64 ...], q1 then q2 (32
-// codes each), its scale d[i * blocks + b] and s = its sum(x), which multiplies the weights' m.
-// Block-major, so that one block's codes of consecutive rows are one AMX tile (32 bytes a row).
+// Activations as int8 blocks, in groups of 8 rows: group g's block b holds its rows' codes
+// side by side (row i's at q[((i / 8 * blocks + b) * 8 + i % 8) * 64 ...], q1 then q2, 32 codes
+// each), so that one block of a group is one AMX tile (32 bytes a row), and a few rows' codes
+// stream from consecutive addresses block after block. Row i's block b has the scale
+// d[i * blocks + b] and s = its sum(x), which multiplies the weights' m.
+constexpr int64_t kGroup = 8;
 struct Quantized {
   const int8_t* q;
   const float* d;
   const float* s;
   int64_t blocks;
-  int64_t rows;  // of the whole call: the stride between blocks, in rows of 64 codes
+  int64_t first;  // the call's row that is row 0 here: d and s start at it, q at row 0
 };
 
 // Row r's codes of block b: q1 then q2.
 inline const int8_t* codes(const Quantized& x, int64_t r, int64_t b) {
-  return x.q + (b * x.rows + r) * 2 * kBlock;
+  const int64_t i = x.first + r;
+  return x.q + ((i / kGroup * x.blocks + b) * kGroup + i % kGroup) * 2 * kBlock;
+}
+
+// The bytes from a row's codes of one block to the next.
+constexpr int64_t kCodeStride = kGroup * 2 * kBlock;
+
+// A call's activations from `first` on.
+inline Quantized from_row(const Quantized& x, int64_t first) {
+  return {x.q, x.d + first * x.blocks, x.s + first * x.blocks, x.blocks, x.first + first};
 }
 
 // One block of 32 activations (zeros past K) to its codes, scale and sum. The loops have fixed
@@ -126,7 +145,7 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, int64_t blocks, int8_t* 
             v[j] = b * kBlock + j < k ? static_cast<float>(in[j]) : 0.f;  // zeros past K
           }
         }
-        int8_t* q1 = q + (b * rows + i) * 2 * kBlock;
+        int8_t* q1 = q + ((i / kGroup * blocks + b) * kGroup + i % kGroup) * 2 * kBlock;
         quantize_block(v, q1, q1 + kBlock, d + i * blocks + b, s + i * blocks + b);
       }
     }
@@ -153,11 +172,14 @@ inline int32_t load_i32(const int8_t* p) {
 
 // Rows [0, R) of the activations against one tile: acc[r][lane] = y[r][tile row lane].
 template <int BITS, int R>
-void tile_dot(const uint8_t* tile, const Quantized& x, float (*acc)[kRows]) {
+void tile_dot(const uint8_t* tile, const Quantized& x, int64_t b0, int64_t b1,
+              float (*acc)[kRows]) {
   __m512 sum[R];
-  for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) sum[r] = _mm512_loadu_ps(acc[r]);
+  const int8_t* row[R];  // each row's codes of block 0
+  for (int r = 0; r < R; ++r) row[r] = codes(x, r, 0);
   const __m512i low = _mm512_set1_epi8(0x0F);
-  for (int64_t b = 0; b < x.blocks; ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* rec = tile + b * record_bytes(BITS);
     prefetch<BITS>(rec);
     __m512i w[8];  // w[c]: the 16 rows' weights 4c .. 4c + 3 of this block, as u8
@@ -174,7 +196,7 @@ void tile_dot(const uint8_t* tile, const Quantized& x, float (*acc)[kRows]) {
     const __m512 m =
         _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32)));
     for (int r = 0; r < R; ++r) {
-      const int8_t* q = codes(x, r, b);
+      const int8_t* q = row[r] + b * kCodeStride;
       // A chain per code and parity, so consecutive multiply-adds do not wait on each other.
       __m512i dots[2][2] = {};
       for (int c = 0; c < 8; ++c) {
@@ -353,16 +375,14 @@ void run_tiles_amx(const uint8_t* packed, const Quantized& x, T* y, int64_t rows
       const int64_t width = std::min(kRows, n - t * kRows);
       for (int64_t r0 = 0; r0 < rows; r0 += kAmxRows) {
         const int64_t count = std::min(kAmxRows, rows - r0);
-        Quantized part = x;
-        part.q += r0 * 2 * kBlock;
-        part.d += r0 * x.blocks;
-        part.s += r0 * x.blocks;
+        const Quantized part = from_row(x, r0);
         const bool partial = count < first;
+        if (count < kAmxMinRows) std::fill(acc[0], acc[count], 0.f);  // tile_dot adds to acc
         switch (count) {
-          case 1: tile_dot<BITS, 1>(tile, part, acc); break;
-          case 2: tile_dot<BITS, 2>(tile, part, acc); break;
-          case 3: tile_dot<BITS, 3>(tile, part, acc); break;
-          case 4: tile_dot<BITS, 4>(tile, part, acc); break;
+          case 1: tile_dot<BITS, 1>(tile, part, 0, x.blocks, acc); break;
+          case 2: tile_dot<BITS, 2>(tile, part, 0, x.blocks, acc); break;
+          case 3: tile_dot<BITS, 3>(tile, part, 0, x.blocks, acc); break;
+          case 4: tile_dot<BITS, 4>(tile, part, 0, x.blocks, acc); break;
           case 5: tile_dot_amx<BITS, 5>(tile, weights, part, partial, acc); break;
           case 6: tile_dot_amx<BITS, 6>(tile, weights, part, partial, acc); break;
           case 7: tile_dot_amx<BITS, 7>(tile, weights, part, partial, acc); break;
@@ -382,64 +402,77 @@ void run_tiles_amx(const uint8_t* packed, const Quantized& x, T* y, int64_t rows
 
 #elif defined(__AVX2__)
 
-// Eight lanes of u8 x s8 products, summed in fours into int32.
-inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+
+// One chunk's products of weights u and activation codes s added into acc, eight output rows'
+// lanes: with VNNI, u8 x s8 summed in fours into int32. Without: 4-bit codes' u8 x s8 pairs
+// summed in int16 (a pair is at most 2 * 15 * 127, so a block's 8 chunks fit), widened to int32
+// once a block by `widen`, the same integers as widening each chunk's in a third of the
+// instructions; 8-bit codes u = q + 128 as s8 x s8, |s| * (q with s's sign), whose pairs fit in
+// int16 (2 * 127 * 127) but not 8 of them, so widened at once (the caller adds back the 128 d
+// per weight that q leaves out).
+template <int BITS>
+inline __m256i accumulate(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVXVNNI__)
   return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else  // the pairs' int16 sums cannot saturate: u <= 15 here (8-bit codes take dot_s8s8)
-  const __m256i pairs = _mm256_maddubs_epi16(u, s);
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-#endif
-}
-
-// s8 x s8 for 8-bit codes u = q + 128 without VNNI: |qx| * (q with qx's sign), whose pairs fit
-// in int16 (2 * 127 * 127); the caller adds back the 128 d per weight that q leaves out.
-inline __m256i dot_s8s8(__m256i acc, __m256i u, __m256i s) {
+#else
+  if constexpr (BITS == 4) return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s));
   const __m256i q = _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80)));
   const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(s), _mm256_sign_epi8(q, s));
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
 }
 
-#if defined(__AVXVNNI__)
-constexpr bool kSigned8 = false;
-#else
-constexpr bool kSigned8 = true;
-#endif
+// A block's sums from `accumulate` as int32.
+template <int BITS>
+inline __m256i widen(__m256i acc) {
+  return BITS == 4 && !kVnni ? _mm256_madd_epi16(acc, _mm256_set1_epi16(1)) : acc;
+}
 
-// As the AVX512 version, with each 64-byte chunk as two 8-row halves.
+// As the AVX512 version, with each 64-byte chunk as two 8-row halves, and a chunk's weights
+// unpacked once for all R rows.
 template <int BITS, int R>
-void tile_dot(const uint8_t* tile, const Quantized& x, float (*acc)[kRows]) {
-  constexpr bool s8 = BITS == 8 && kSigned8;
+void tile_dot(const uint8_t* tile, const Quantized& x, int64_t b0, int64_t b1,
+              float (*acc)[kRows]) {
+  constexpr bool s8 = BITS == 8 && !kVnni;
   const __m256i low = _mm256_set1_epi8(0x0F);
+  const int8_t* row[R];  // each row's codes of block 0
+  for (int r = 0; r < R; ++r) row[r] = codes(x, r, 0);
   for (int half = 0; half < 2; ++half) {
     __m256 sum[R];
-    for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < x.blocks; ++b) {
+    for (int r = 0; r < R; ++r) sum[r] = _mm256_loadu_ps(acc[r] + 8 * half);
+    for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* rec = tile + b * record_bytes(BITS);
       if (half == 0) prefetch<BITS>(rec);
-      __m256i w[8];
-      for (int c = 0; c < 8; ++c) {
+      const int8_t* q[R];
+      for (int r = 0; r < R; ++r) q[r] = row[r] + b * kCodeStride;
+      __m256i dots[R][2];  // row r's q1 and q2 sums, as `accumulate` keeps them
+      for (int r = 0; r < R; ++r) dots[r][0] = dots[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) {  // unrolled: no branch on c's parity, each load once
         const int chunk = BITS == 4 ? c / 2 : c;
         const __m256i v =
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * chunk + 32 * half));
-        w[c] = BITS == 4 ? _mm256_and_si256(c % 2 ? _mm256_srli_epi16(v, 4) : v, low) : v;
+        const __m256i w = BITS == 4 ? _mm256_and_si256(c % 2 ? _mm256_srli_epi16(v, 4) : v, low)
+                                    : v;
+        for (int r = 0; r < R; ++r) {
+          for (int fine = 0; fine < 2; ++fine) {
+            const __m256i qx = _mm256_set1_epi32(load_i32(q[r] + fine * kBlock + 4 * c));
+            dots[r][fine] = accumulate<BITS>(dots[r][fine], w, qx);
+          }
+        }
       }
       const uint8_t* scales = rec + code_bytes(BITS) + 16 * half;
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
       __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 32)));
       if (s8) m = _mm256_fmadd_ps(d, _mm256_set1_ps(128.f), m);
       for (int r = 0; r < R; ++r) {
-        const int8_t* q = codes(x, r, b);
-        __m256i dots[2][2] = {};
-        for (int c = 0; c < 8; ++c) {
-          for (int fine = 0; fine < 2; ++fine) {
-            const __m256i qx = _mm256_set1_epi32(load_i32(q + fine * kBlock + 4 * c));
-            __m256i& acc = dots[fine][c % 2];
-            acc = s8 ? dot_s8s8(acc, w[c], qx) : dot_u8s8(acc, w[c], qx);
-          }
-        }
-        const __m256 coarse = _mm256_cvtepi32_ps(_mm256_add_epi32(dots[0][0], dots[0][1]));
-        const __m256 fine = _mm256_cvtepi32_ps(_mm256_add_epi32(dots[1][0], dots[1][1]));
+        const __m256 coarse = _mm256_cvtepi32_ps(widen<BITS>(dots[r][0]));
+        const __m256 fine = _mm256_cvtepi32_ps(widen<BITS>(dots[r][1]));
         const __m256 dot = _mm256_fmadd_ps(fine, _mm256_set1_ps(1.f / kFine), coarse);
         const int64_t i = r * x.blocks + b;
         sum[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(x.d[i])), sum[r]);
@@ -452,11 +485,13 @@ void tile_dot(const uint8_t* tile, const Quantized& x, float (*acc)[kRows]) {
 
 #else
 
-// Portable: the same arithmetic one weight at a time.
+// Portable: the same arithmetic one weight at a time. The float steps as fused multiply-adds in
+// the vector paths' order, which -fassociative-math leaves as they are (it may regroup plain
+// sums differently for each R, and a row's bits would then depend on the rows beside it).
 template <int BITS, int R>
-void tile_dot(const uint8_t* tile, const Quantized& x, float (*acc)[kRows]) {
-  for (int r = 0; r < R; ++r) std::fill(acc[r], acc[r] + kRows, 0.f);
-  for (int64_t b = 0; b < x.blocks; ++b) {
+void tile_dot(const uint8_t* tile, const Quantized& x, int64_t b0, int64_t b1,
+              float (*acc)[kRows]) {
+  for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* rec = tile + b * record_bytes(BITS);
     const c10::Half* scales = reinterpret_cast<const c10::Half*>(rec + code_bytes(BITS));
     for (int64_t row = 0; row < kRows; ++row) {
@@ -475,10 +510,13 @@ void tile_dot(const uint8_t* tile, const Quantized& x, float (*acc)[kRows]) {
           coarse += u * q[j];
           fine += u * q[kBlock + j];
         }
-        const float dot = static_cast<float>(coarse) + static_cast<float>(fine) / kFine;
+        const float dot =
+            std::fma(static_cast<float>(fine), 1.f / kFine, static_cast<float>(coarse));
         const int64_t i = r * x.blocks + b;
-        acc[r][row] += dot * static_cast<float>(scales[row]) * x.d[i] +
-                       static_cast<float>(scales[kRows + row]) * x.s[i];
+        const float d = static_cast<float>(scales[row]);
+        const float m = static_cast<float>(scales[kRows + row]);
+        acc[r][row] = std::fma(dot, d * x.d[i], acc[r][row]);
+        acc[r][row] = std::fma(m, x.s[i], acc[r][row]);
       }
     }
   }
@@ -493,25 +531,38 @@ void run_tiles(const uint8_t* packed, const Quantized& x, T* y, int64_t rows, in
   // into tasks that cost more to start than to run. rows and blocks are >= 1: quant_linear
   // returns before calling with none.
   const int64_t grain = std::max<int64_t>(1, 65536 / (kRows * kBlock * x.blocks * rows));
+  // Rows in slices whose codes stay in L2 while a task's tiles pass over them, each tile's
+  // weights read once a slice: with all the rows at once, every tile streamed the whole
+  // activations from memory. A row's sums are the same whatever slice or group it is in.
+  const int64_t slice = std::max(kGroup, kSliceBytes / (x.blocks * 2 * kBlock) / kGroup * kGroup);
+  // Within a slice, a tile's blocks in spans that stay in L1 while each group of rows passes
+  // over them, the groups' sums kept between spans (the same steps in the same order).
+  const int64_t span = rows <= kMaxRows ? x.blocks : kSpanBlocks;
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    float acc[kMaxRows][kRows];
-    for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* tile = packed + t * tile_bytes;
-      const int64_t width = std::min(kRows, n - t * kRows);
-      for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
-        Quantized part = x;
-        part.q += r0 * 2 * kBlock;
-        part.d += r0 * x.blocks;
-        part.s += r0 * x.blocks;
-        switch (std::min<int64_t>(kMaxRows, rows - r0)) {
-          case 1: tile_dot<BITS, 1>(tile, part, acc); break;
-          case 2: tile_dot<BITS, 2>(tile, part, acc); break;
-          case 3: tile_dot<BITS, 3>(tile, part, acc); break;
-          default: tile_dot<BITS, 4>(tile, part, acc); break;
+    std::vector<float> sums(slice * kRows);
+    for (int64_t s0 = 0; s0 < rows; s0 += slice) {
+      const int64_t s1 = std::min(rows, s0 + slice);
+      for (int64_t t = begin; t < end; ++t) {
+        const uint8_t* tile = packed + t * tile_bytes;
+        std::fill(sums.begin(), sums.begin() + (s1 - s0) * kRows, 0.f);
+        for (int64_t b0 = 0; b0 < x.blocks; b0 += span) {
+          const int64_t b1 = std::min(x.blocks, b0 + span);
+          for (int64_t r0 = s0; r0 < s1; r0 += kMaxRows) {
+            const Quantized part = from_row(x, r0);
+            auto* acc = reinterpret_cast<float(*)[kRows]>(sums.data() + (r0 - s0) * kRows);
+            switch (std::min<int64_t>(kMaxRows, s1 - r0)) {
+              case 1: tile_dot<BITS, 1>(tile, part, b0, b1, acc); break;
+              case 2: tile_dot<BITS, 2>(tile, part, b0, b1, acc); break;
+              case 3: tile_dot<BITS, 3>(tile, part, b0, b1, acc); break;
+              default: tile_dot<BITS, 4>(tile, part, b0, b1, acc); break;
+            }
+          }
         }
-        for (int64_t r = 0; r < std::min<int64_t>(kMaxRows, rows - r0); ++r) {
-          T* out = y + (r0 + r) * n + t * kRows;
-          for (int64_t lane = 0; lane < width; ++lane) out[lane] = static_cast<T>(acc[r][lane]);
+        const int64_t width = std::min(kRows, n - t * kRows);
+        for (int64_t r = s0; r < s1; ++r) {
+          T* out = y + r * n + t * kRows;
+          const float* sum = sums.data() + (r - s0) * kRows;
+          for (int64_t lane = 0; lane < width; ++lane) out[lane] = static_cast<T>(sum[lane]);
         }
       }
     }
@@ -549,12 +600,13 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
   sizes.back() = n;
   at::Tensor y = at::empty(sizes, x.options());
   if (rows == 0 || n == 0) return y;  // e.g. a step with no row to sample: nothing to compute
-  at::Tensor q = at::empty({rows * blocks * 2 * kBlock}, x.options().dtype(at::kChar));
+  const int64_t groups = (rows + kGroup - 1) / kGroup;
+  at::Tensor q = at::empty({groups * kGroup * blocks * 2 * kBlock}, x.options().dtype(at::kChar));
   at::Tensor scales = at::empty({2, rows * blocks}, x.options().dtype(at::kFloat));
   float *d = scales.data_ptr<float>(), *s = d + rows * blocks;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quant_linear", [&] {
     quantize_rows(x.data_ptr<scalar_t>(), rows, k, blocks, q.data_ptr<int8_t>(), d, s);
-    const Quantized xq{q.data_ptr<int8_t>(), d, s, blocks, rows};
+    const Quantized xq{q.data_ptr<int8_t>(), d, s, blocks, 0};
     const uint8_t* w = packed.data_ptr<uint8_t>();
     if (bits == 4) {
       run<4>(w, xq, y.data_ptr<scalar_t>(), rows, n);
