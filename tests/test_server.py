@@ -414,6 +414,20 @@ def test_utility_endpoints(base_url, llm):
     assert chat["tokens"] == llm.tokenizer.encode(rendered, add_special_tokens=False)
 
 
+def with_engine(llm, engine) -> SimpleNamespace:
+    """`llm` as the server reads it, with `engine` in place of its own."""
+    return SimpleNamespace(
+        engine=engine,
+        tokenizer=llm.tokenizer,
+        model_name=llm.model_name,
+        get_default_sampling_params=llm.get_default_sampling_params,
+        default_sampling=llm.default_sampling,
+        reasoning=llm.reasoning,
+        reasoning_budget=llm.reasoning_budget,
+        tool_format=llm.tool_format,
+    )
+
+
 class _FailingEngine:
     """The real engine's shape, but step() raises: what the server does when its engine dies."""
 
@@ -441,16 +455,7 @@ class _FailingEngine:
 
 
 def test_engine_death_fails_requests_and_health(llm):
-    broken = SimpleNamespace(
-        engine=_FailingEngine(llm.engine),
-        tokenizer=llm.tokenizer,
-        model_name=llm.model_name,
-        get_default_sampling_params=llm.get_default_sampling_params,
-        default_sampling=llm.default_sampling,
-        reasoning=llm.reasoning,
-        reasoning_budget=llm.reasoning_budget,
-        tool_format=llm.tool_format,
-    )
+    broken = with_engine(llm, _FailingEngine(llm.engine))
     with serving(create_app(broken)) as url:
         assert httpx.get(f"{url}/health").status_code == 200
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10)
@@ -484,16 +489,7 @@ class _StumblingEngine:
 
 def test_a_step_that_raises_fails_its_requests_and_the_server_goes_on(llm, offline):
     engine = _StumblingEngine(llm.engine)
-    wrapped = SimpleNamespace(
-        engine=engine,
-        tokenizer=llm.tokenizer,
-        model_name=llm.model_name,
-        get_default_sampling_params=llm.get_default_sampling_params,
-        default_sampling=llm.default_sampling,
-        reasoning=llm.reasoning,
-        reasoning_budget=llm.reasoning_budget,
-        tool_format=llm.tool_format,
-    )
+    wrapped = with_engine(llm, engine)
     with serving(create_app(wrapped)) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
         engine.stumble = True

@@ -113,6 +113,11 @@ def _chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
             "type": "json_schema",
             "json_schema": {"name": "output", "schema": fmt.schema_},
         }
+    if req.thinking is not None:  # adaptive: the model's own default
+        if req.thinking.type != "adaptive":
+            body["enable_thinking"] = req.thinking.type == "enabled"
+        if req.thinking.type == "enabled" and req.thinking.budget_tokens is not None:
+            body["thinking_token_budget"] = req.thinking.budget_tokens
     if isinstance(req, MessagesRequest):
         body["max_tokens"] = req.max_tokens
         fields = {"stop": req.stop_sequences, "temperature": req.temperature}

@@ -195,7 +195,8 @@ def serve(args: argparse.Namespace) -> None:
     where = f"http://{host}:{args.port}" if args.port else f"a free port on {args.host}"
     resident = resident_bytes()
     log.info(
-        "serving %s (context %d tokens) on %s: OpenAI API under /v1, also /health and /metrics; "
+        "serving %s (context %d tokens) on %s: OpenAI API under /v1 (chat, completions, "
+        "responses), Anthropic's /v1/messages, Ollama's /api, also /health and /metrics; "
         "%s; %s resident",
         llm.model_name,
         llm.engine.max_model_len,

@@ -110,8 +110,8 @@ class ChatServing:
     def check_fields(self, req: SamplingRequest) -> None:
         """The checks every request shares: the model, and a log line for ignored fields."""
         self.check_model(req.model)
-        if req.model_extra:
-            log.warning("ignoring unsupported request fields: %s", ", ".join(req.model_extra))
+        if ignored := req.ignored_fields():
+            log.warning("ignoring unsupported request fields: %s", ", ".join(ignored))
 
     async def start(self, req: ChatCompletionRequest, request_id: str | None = None) -> "ChatRun":
         self.check_fields(req)

@@ -338,6 +338,7 @@ class AssistantMessage(BaseModel):
     reasoning_content: str | None = _omitted_if_none()
     reasoning: str | None = _omitted_if_none()
     tool_calls: list[ToolCallOut] | None = _omitted_if_none()
+    function_call: FunctionCallOut | None = _omitted_if_none()  # the legacy functions API's
 
 
 class ChatChoice(BaseModel):
@@ -376,6 +377,7 @@ class Delta(BaseModel):
     reasoning_content: str | None = _omitted_if_none()
     reasoning: str | None = _omitted_if_none()
     tool_calls: list[ToolCallDelta] | None = _omitted_if_none()
+    function_call: FunctionDelta | None = _omitted_if_none()  # the legacy functions API's
 
 
 class ChatChunkChoice(BaseModel):

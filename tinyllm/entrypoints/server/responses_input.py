@@ -217,5 +217,15 @@ def chat_body(
         "temperature": req.temperature,
         "top_p": req.top_p,
         "user": req.user,
+        "enable_thinking": _thinking(req.reasoning),
     }
     return {k: v for k, v in body.items() if v is not None}
+
+
+def _thinking(reasoning: dict[str, Any] | None) -> bool | None:
+    """`reasoning.effort` onto a thinking model's switch: none or minimal turn it off, any other
+    effort on; no effort leaves the model's default."""
+    effort = (reasoning or {}).get("effort")
+    if effort is None:
+        return None
+    return effort not in ("none", "minimal")

@@ -34,14 +34,16 @@ def _item_id(prefix: str) -> str:
 
 
 def response_usage(usage: Usage) -> ResponseUsage:
-    details = usage.prompt_tokens_details
+    details, thought = usage.prompt_tokens_details, usage.completion_tokens_details
     return ResponseUsage(
         input_tokens=usage.prompt_tokens,
         input_tokens_details=InputTokensDetails(
             cached_tokens=details.cached_tokens if details else 0
         ),
         output_tokens=usage.completion_tokens,
-        output_tokens_details=OutputTokensDetails(),
+        output_tokens_details=OutputTokensDetails(
+            reasoning_tokens=thought.reasoning_tokens if thought else 0
+        ),
         total_tokens=usage.total_tokens,
     )
 

@@ -143,35 +143,35 @@ class OpenAIServing:
                 usage=usage,
             )
 
+        legacy = req.legacy_functions  # the answer's one call as `function_call`
         if req.stream:
             return StreamingResponse(
-                self._chat_stream(run, chunk, include_usage), media_type="text/event-stream"
+                self._chat_stream(run, chunk, include_usage, legacy),
+                media_type="text/event-stream",
             )
         try:
             if not await run.finish(raw.is_disconnected):
                 return Response(status_code=499)  # nobody is listening
         finally:
             run.close()
-        done = [
-            ChatChoice(
-                index=index,
-                message=AssistantMessage(
-                    content=a.content if a.content or not a.calls else None,
-                    reasoning_content=a.reasoning or None,
-                    reasoning=a.reasoning or None,
-                    tool_calls=[
-                        ToolCallOut(
-                            id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)
-                        )
-                        for c in a.calls
-                    ]
-                    or None,
-                ),
-                logprobs=self._chat_logprobs(a.logprobs) if a.logprobs is not None else None,
-                finish_reason=a.finish_reason,
+        done = []
+        for index, a in run.answers.items():
+            calls = [
+                ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+                for c in a.calls
+            ]
+            message = AssistantMessage(
+                content=a.content if a.content or not a.calls else None,
+                reasoning_content=a.reasoning or None,
+                reasoning=a.reasoning or None,
+                tool_calls=None if legacy else calls or None,
+                function_call=calls[0].function if legacy and calls else None,
             )
-            for index, a in run.answers.items()
-        ]
+            logprobs = self._chat_logprobs(a.logprobs) if a.logprobs is not None else None
+            reason = _legacy_reason(a.finish_reason) if legacy else a.finish_reason
+            done.append(
+                ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=reason)
+            )
         return ChatCompletionResponse(
             id=run.request_id,
             created=created,
@@ -181,11 +181,15 @@ class OpenAIServing:
         )
 
     async def _chat_stream(
-        self, run: ChatRun, chunk: Callable[..., ChatCompletionChunk], include_usage: bool
+        self,
+        run: ChatRun,
+        chunk: Callable[..., ChatCompletionChunk],
+        include_usage: bool,
+        legacy: bool,
     ) -> AsyncIterator[str]:
         """OpenAI's chunks: each choice's role first (with empty content, as OpenAI's first
         chunk), then its deltas, the usage chunk if asked, and [DONE]; an error after the
-        stream started becomes an error event."""
+        stream started becomes an error event. `legacy`: the call goes as `function_call`."""
         try:
             role = Delta(role="assistant", content="")
             for c in run.choices:
@@ -204,11 +208,13 @@ class OpenAIServing:
                     content=d.content or None,
                     reasoning_content=d.reasoning or None,
                     reasoning=d.reasoning or None,
-                    tool_calls=calls or None,
+                    tool_calls=None if legacy else calls or None,
+                    function_call=calls[0].function if legacy and calls else None,
                 )
                 logprobs = self._chat_logprobs(d.logprobs) if d.logprobs is not None else None
+                reason = _legacy_reason(d.finish_reason) if legacy else d.finish_reason
                 choice = ChatChunkChoice(
-                    index=d.index, delta=delta, logprobs=logprobs, finish_reason=d.finish_reason
+                    index=d.index, delta=delta, logprobs=logprobs, finish_reason=reason
                 )
                 yield sse_event(chunk([choice]))
             if include_usage:
@@ -261,3 +267,8 @@ class OpenAIServing:
                 for lp in lps
             ]
         )
+
+
+def _legacy_reason(reason: str | None) -> str | None:
+    """The legacy functions API's name for an answer that ended with its call."""
+    return "function_call" if reason == "tool_calls" else reason
