@@ -249,12 +249,6 @@ def test_bad_reasoning_fields_are_400s_naming_them(client) -> None:
 
 
 # Last: the failure it shows stops the engine's request with an internal error.
-@pytest.mark.xfail(
-    strict=True,
-    reason="text/tool_grammar.py writes <tool_call> as text, which llguidance cannot force where "
-    "the vocabulary has it as an added token (Qwen2.5's and Qwen3's do): the engine's matcher "
-    "refuses the token, with or without thinking",
-)
 def test_tool_call_after_thinking(client, ids) -> None:
     tool = {
         "type": "function",

@@ -199,7 +199,12 @@ class LLM:
             key = json.dumps(answer)
             if key not in grammars:
                 grammar = tool_choice_grammar(
-                    tools, tool_choice, parallel_tool_calls, self.tool_format, answer
+                    tools,
+                    tool_choice,
+                    parallel_tool_calls,
+                    self.tool_format,
+                    answer,
+                    self.tokenizer.added_tokens,
                 )
                 grammars[key] = StructuredOutputsParams(grammar=grammar)
             if own is not None and tool_choice == "none":  # the tools are only for the model

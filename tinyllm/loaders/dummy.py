@@ -216,5 +216,5 @@ class IdsOnlyTokenizer(Tokenizer):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise ValueError(_NO_TOKENIZER)
 
-    def encode_chat(self, messages, add_generation_prompt=True, tools=None, tool_format=None):
+    def encode_chat(self, messages, add_generation_prompt=True, tools=None, **_):
         raise ValueError(_NO_TOKENIZER)

@@ -17,6 +17,7 @@ from typing import Any
 from tinyllm.text.json_schema import closed_objects
 from tinyllm.text.reasoning import ReasoningFormat, ThinkingState
 from tinyllm.text.tokenizer import Tokenizer
+from tinyllm.text.tool_grammar import lark_literal
 
 # As the engine compiles a schema on its own (structured_output/grammar.py): no free whitespace.
 _JSON_STYLE = {"whitespace_flexible": False}
@@ -26,10 +27,7 @@ _ANSWER = "tinyllm_answer"
 def tag_lark(tokenizer: Tokenizer, tag: str) -> str:
     """`tag` in lark: an added token (`<think>` in Qwen3's and DeepSeek's vocabularies) is
     matched as that token, as llguidance sees every added token; other tags as text."""
-    tag_id = tokenizer.token_to_id(tag)
-    if tag_id is not None and tag_id in tokenizer.backend.get_added_tokens_decoder():
-        return tag
-    return json.dumps(tag)
+    return lark_literal(tag, tokenizer.added_tokens)
 
 
 def answer_rules(

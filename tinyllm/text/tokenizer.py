@@ -1,5 +1,6 @@
 """Text <-> token ids, special ids and the chat template, for a GGUF file or a Hugging Face dir."""
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,12 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
+
+    @functools.cached_property
+    def added_tokens(self) -> frozenset[str]:
+        """The texts of the vocabulary's added tokens (`<think>`, `<tool_call>`...), which a
+        grammar must name as tokens: llguidance never matches them as text."""
+        return frozenset(t.content for t in self.backend.get_added_tokens_decoder().values())
 
     @property
     def is_chat_model(self) -> bool:

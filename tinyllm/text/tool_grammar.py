@@ -42,6 +42,7 @@ class GrammarFormat(Protocol):
         choice: str,
         parallel: bool,
         answer: dict[str, Any] | None = None,
+        tokens: frozenset[str] = frozenset(),
     ) -> str: ...
 
 
@@ -140,16 +141,24 @@ def _schema_error(schema: Any) -> str:
     return error.strip()
 
 
+def lark_literal(text: str, tokens: frozenset[str]) -> str:
+    """`text` in a grammar: one of the vocabulary's added `tokens` as that token (llguidance
+    matches an added token only by name, never as text), else as quoted text."""
+    return text if text in tokens else json.dumps(text)
+
+
 def tool_choice_grammar(
     tools: list[dict[str, Any]],
     tool_choice: str | dict[str, Any],
     parallel: bool,
     fmt: GrammarFormat,
     answer: dict[str, Any] | None = None,
+    tokens: frozenset[str] = frozenset(),
 ) -> str:
     """The grammar of format `fmt` for OpenAI's `tools` and `tool_choice` ("none", "auto",
     "required" or {"type": "function", "function": {"name": ...}}), and `answer`, the JSON
-    schema a text answer follows; ValueError naming the field at fault."""
+    schema a text answer follows; `tokens`: the vocabulary's added tokens (a tag that is one
+    is named as a token). ValueError naming the field at fault."""
     for i, t in enumerate(tools):
         f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
         if not isinstance(f, dict) or not isinstance(f.get("name"), str):
@@ -167,12 +176,12 @@ def tool_choice_grammar(
         name = tool_choice["function"]["name"]
         if name not in names:
             raise ValueError(f"tool_choice: no function {name!r} in tools ({', '.join(names)})")
-        return fmt.grammar([functions[names.index(name)]], "required", parallel, answer)
+        return fmt.grammar([functions[names.index(name)]], "required", parallel, answer, tokens)
     if tool_choice not in ("none", "auto", "required"):
         raise ValueError(
             f"tool_choice: {tool_choice!r} is not none, auto, required or a named function"
         )
-    return fmt.grammar(functions, tool_choice, parallel, answer)
+    return fmt.grammar(functions, tool_choice, parallel, answer, tokens)
 
 
 def assemble(
@@ -181,6 +190,7 @@ def assemble(
     no_call: str,
     answer: dict[str, Any] | None,
     lazy: tuple[str, str] | None,
+    tokens: frozenset[str] = frozenset(),
 ) -> str:
     """A format's grammar from its rules (which define `calls`, the calls region), `no_call`
     (the regex of text that begins no call) and, for `auto` where calls may follow text,
@@ -199,7 +209,7 @@ def assemble(
         trigger, rest = lazy
         out += [
             f"start: TEXT | text_then_call {rest}",
-            f"text_then_call[lazy]: TEXT {json.dumps(trigger)}",
+            f"text_then_call[lazy]: TEXT {lark_literal(trigger, tokens)}",
             "TEXT: /(?s:.*)/",
         ]
     else:
@@ -217,15 +227,17 @@ def tool_grammar(
     choice: str,
     parallel: bool,
     answer: dict[str, Any] | None = None,
+    tokens: frozenset[str] = frozenset(),
 ) -> str:
     """The generic format's grammar for tool_choice `choice` ("auto", "required" or "none"; a
     named function is "required" over just that function): `<tool_call>` blocks, one a line."""
     more = '("\\n" call)*' if parallel else ""
-    body = f"{json.dumps(_NL)} body {json.dumps(_NL + CALL_END)}"
+    nl = json.dumps(_NL)
+    body = f"{nl} body {nl} {lark_literal(CALL_END, tokens)}"
     rules = [
         f"calls: call {more}",
-        f"call: {json.dumps(CALL_START)} {body}",
+        f"call: {lark_literal(CALL_START, tokens)} {body}",
         f"body: %json {json.dumps(call_schema(functions))}",
     ]
     lazy = (CALL_START, f"{body} {more}")
-    return assemble(rules, choice, without(re.escape(CALL_START)), answer, lazy)
+    return assemble(rules, choice, without(re.escape(CALL_START)), answer, lazy, tokens)

@@ -9,7 +9,6 @@ from typing import Any, NoReturn
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
 from tinyllm.entrypoints.server.anthropic_protocol import (
     Block,
@@ -24,10 +23,8 @@ from tinyllm.entrypoints.server.anthropic_protocol import (
     error_body,
 )
 from tinyllm.entrypoints.server.chat_run import ChatAnswer, ChatDelta, ChatRun, ChatServing
-from tinyllm.entrypoints.server.engine_requests import chat_prompt, request_constraint
 from tinyllm.entrypoints.server.errors import APIError, add_error_shape
 from tinyllm.entrypoints.server.protocol import ChatCompletionRequest, Usage
-from tinyllm.entrypoints.server.tools import plan_tools
 
 log = logging.getLogger("tinyllm.server")
 
@@ -70,11 +67,8 @@ def install_anthropic_routes(app: FastAPI, chat: ChatServing) -> None:
     async def count_tokens(req: CountTokensRequest) -> dict:
         chat_req = _chat_request(req)
         chat.check_fields(chat_req)
-        try:  # rendered as /v1/messages renders it: the same tools, the same template
-            tools = plan_tools(chat_req, request_constraint(chat_req) is not None)
-            prompt = await run_in_threadpool(
-                chat_prompt, chat.tokenizer, chat_req.messages, tools=tools.tools
-            )
+        try:  # rendered as /v1/messages renders it: the same tools, template and thinking
+            prompt = (await chat.render(chat_req))[0]
         except APIError as e:
             raise _in_our_words(e) from e
         return {"input_tokens": len(prompt.token_ids)}

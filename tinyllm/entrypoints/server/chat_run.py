@@ -121,8 +121,31 @@ class ChatServing:
         if max_tokens is None:
             max_tokens, param = req.max_tokens, "max_tokens"
         request_id = request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        prompt, tools, thinking, constraint = await self.render(req)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        choices = plan_choices(
+            self.validator,
+            request_id,
+            req,
+            [prompt],
+            max_tokens,
+            self.default_max_tokens,
+            logprobs,
+            self.defaults,
+            param,
+            constraint,
+        )
+        return ChatRun(Generation(self.loop, request_id, [prompt], choices), tools, thinking)
+
+    async def render(
+        self, req: ChatCompletionRequest
+    ) -> tuple[Prompt, ToolPlan, "Thinking | None", Constraint | None]:
+        """The request's prompt, tools, thinking and constraint, as `start` runs them (and
+        token counting endpoints count them)."""
         constraint = request_constraint(req)
-        tools = plan_tools(req, constraint is not None, self.tool_format)
+        tools = plan_tools(
+            req, constraint is not None, self.tool_format, self.tokenizer.added_tokens
+        )
         if tools.constraint is not None:
             constraint = Constraint(tools.constraint, "tools")
         kwargs = template_kwargs(
@@ -141,20 +164,7 @@ class ChatServing:
             tool_format=tools.format,
         )
         thinking, constraint, prompt = self._plan_thinking(req, prompt, constraint)
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        choices = plan_choices(
-            self.validator,
-            request_id,
-            req,
-            [prompt],
-            max_tokens,
-            self.default_max_tokens,
-            logprobs,
-            self.defaults,
-            param,
-            constraint,
-        )
-        return ChatRun(Generation(self.loop, request_id, [prompt], choices), tools, thinking)
+        return prompt, tools, thinking, constraint
 
     def _plan_thinking(
         self, req: ChatCompletionRequest, prompt: Prompt, constraint: Constraint | None

@@ -27,12 +27,15 @@ class ToolPlan:
 
 
 def plan_tools(
-    req: ChatCompletionRequest, constrained: bool, fmt: ToolFormat = GENERIC
+    req: ChatCompletionRequest,
+    constrained: bool,
+    fmt: ToolFormat = GENERIC,
+    tokens: frozenset[str] = frozenset(),
 ) -> ToolPlan:
     """`constrained`: the request has its own response_format or structured_outputs. A JSON
     schema (or json_object) there goes into the tools' grammar: the answer is either calls or
     that JSON (OpenAI's way); other constraints leave room for tool_choice none only. `fmt`:
-    the model's tool-call format (LLM.tool_format)."""
+    the model's tool-call format (LLM.tool_format); `tokens`: its vocabulary's added tokens."""
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none"):
@@ -46,7 +49,7 @@ def plan_tools(
     own = request_constraint(req) if constrained else None
     if own is not None and choice == "none":
         # Rendered for the model to know, never called: the request's constraint applies.
-        _grammar(tools, choice, req, fmt, None)
+        _grammar(tools, choice, req, fmt, None, tokens)
         return ToolPlan(tools, None, False, fmt)
     answer = None
     if own is not None:
@@ -62,7 +65,7 @@ def plan_tools(
             check_answer(answer)
         except ValueError as e:
             raise APIError(400, f"{own.where}: {e}", param=own.where.split(".")[0]) from e
-    grammar = _grammar(tools, choice, req, fmt, answer)
+    grammar = _grammar(tools, choice, req, fmt, answer, tokens)
     return ToolPlan(tools, StructuredOutputsParams(grammar=grammar), choice != "none", fmt)
 
 
@@ -77,9 +80,12 @@ def _answer_schema(params: StructuredOutputsParams) -> dict[str, Any] | None:
     return params.json
 
 
-def _grammar(tools, choice, req: ChatCompletionRequest, fmt: ToolFormat, answer) -> str:
+def _grammar(
+    tools, choice, req: ChatCompletionRequest, fmt: ToolFormat, answer, tokens: frozenset[str]
+) -> str:
     try:
-        return tool_choice_grammar(tools, choice, bool(req.parallel_tool_calls), fmt, answer)
+        parallel = bool(req.parallel_tool_calls)
+        return tool_choice_grammar(tools, choice, parallel, fmt, answer, tokens)
     except ValueError as e:  # "tools.1.function.parameters (f): ..." or "tool_choice: ..."
         raise APIError(400, str(e), param=re.match(r"\w+", str(e)).group()) from e
 

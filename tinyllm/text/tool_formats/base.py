@@ -23,9 +23,11 @@ class ToolFormat:
         choice: str,
         parallel: bool,
         answer: dict[str, Any] | None = None,
+        tokens: frozenset[str] = frozenset(),
     ) -> str:
         """The Lark grammar for `choice` ("auto", "required" or "none") over `functions`, and
-        `answer`, the JSON schema a text answer follows (tinyllm.text.tool_grammar.assemble)."""
+        `answer`, the JSON schema a text answer follows (tinyllm.text.tool_grammar.assemble);
+        `tokens`: the vocabulary's added tokens, which a tag that is one is named as."""
         raise NotImplementedError
 
     def calls_text(self, calls: list[tuple[str, Any]]) -> str:

@@ -26,8 +26,9 @@ class Hermes(ToolFormat):
         choice: str,
         parallel: bool,
         answer: dict[str, Any] | None = None,
+        tokens: frozenset[str] = frozenset(),
     ) -> str:
-        return tool_grammar(functions, choice, parallel, answer)
+        return tool_grammar(functions, choice, parallel, answer, tokens)
 
     def calls_text(self, calls: list[tuple[str, Any]]) -> str:
         return "\n".join(

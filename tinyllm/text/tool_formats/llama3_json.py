@@ -52,6 +52,7 @@ class Llama3Json(ToolFormat):
         choice: str,
         parallel: bool,
         answer: dict[str, Any] | None = None,
+        tokens: frozenset[str] = frozenset(),
     ) -> str:
         more = f"({json.dumps(_SEPARATOR)} body)*" if parallel else ""
         rules = [
@@ -61,7 +62,7 @@ class Llama3Json(ToolFormat):
         # Text may not begin with a brace at all: a lexeme that could still become a call's
         # start makes llguidance's lexer drop the call's JSON beside it.
         begins_call = r"[ \t\n]*(\{|<\|python_tag\|>)(?s:.*)"
-        return assemble(rules, choice, f"/(?s:.*)/ & ~/{begins_call}/", answer, None)
+        return assemble(rules, choice, f"/(?s:.*)/ & ~/{begins_call}/", answer, None, tokens)
 
     def calls_text(self, calls: list[tuple[str, Any]]) -> str:
         return _SEPARATOR.join(dumps({"name": n, "parameters": a}) for n, a in calls)

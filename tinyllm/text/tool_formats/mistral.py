@@ -17,6 +17,7 @@ from tinyllm.text.tool_grammar import (
     arguments_schema,
     assemble,
     call_schema,
+    lark_literal,
     without,
 )
 
@@ -143,15 +144,16 @@ class MistralV3(ToolFormat):
         choice: str,
         parallel: bool,
         answer: dict[str, Any] | None = None,
+        tokens: frozenset[str] = frozenset(),
     ) -> str:
         more = '(", " body)*' if parallel else ""
         rest = f'"[" body {more} "]"'
         rules = [
-            f"calls: {json.dumps(TOOL_CALLS)} {rest}",
+            f"calls: {lark_literal(TOOL_CALLS, tokens)} {rest}",
             f"body: %json {json.dumps(call_schema(functions))}",
         ]
         no_call = without(re.escape(TOOL_CALLS))
-        return assemble(rules, choice, no_call, answer, (TOOL_CALLS, rest))
+        return assemble(rules, choice, no_call, answer, (TOOL_CALLS, rest), tokens)
 
     def calls_text(self, calls: list[tuple[str, Any]]) -> str:
         bodies = ", ".join(dumps({"name": n, "arguments": a}) for n, a in calls)
@@ -174,14 +176,16 @@ class MistralV11(MistralV3):
         choice: str,
         parallel: bool,
         answer: dict[str, Any] | None = None,
+        tokens: frozenset[str] = frozenset(),
     ) -> str:
         more = "call*" if parallel else ""
         options = " | ".join(
-            f"{json.dumps(f['name'])} {json.dumps(ARGS)} args{i}" for i, f in enumerate(functions)
+            f"{json.dumps(f['name'])} {lark_literal(ARGS, tokens)} args{i}"
+            for i, f in enumerate(functions)
         )
         rules = [
             f"calls: call {more}",
-            f"call: {json.dumps(TOOL_CALLS)} function",
+            f"call: {lark_literal(TOOL_CALLS, tokens)} function",
             f"function: {options}",
             *(
                 f"args{i}: %json {json.dumps(_styled(arguments_schema(f)))}"
@@ -189,7 +193,7 @@ class MistralV11(MistralV3):
             ),
         ]
         no_call = without(re.escape(TOOL_CALLS))
-        return assemble(rules, choice, no_call, answer, (TOOL_CALLS, f"function {more}"))
+        return assemble(rules, choice, no_call, answer, (TOOL_CALLS, f"function {more}"), tokens)
 
     def calls_text(self, calls: list[tuple[str, Any]]) -> str:
         return "".join(f"{TOOL_CALLS}{n}{ARGS}{dumps(a)}" for n, a in calls)
