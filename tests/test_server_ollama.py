@@ -284,3 +284,12 @@ def test_load_requests(url, name):
     assert r.json()["done_reason"] == "load" and r.json()["done"]
     r = httpx.post(f"{url}/api/chat", json={"model": name, "messages": []})
     assert r.json()["done_reason"] == "load"
+
+
+def test_what_no_handler_answers_is_in_ollamas_shape_too(default_llm):
+    """An unknown /api route and a wrong API key: Ollama's {"error": ...}, as its clients read."""
+    with serving(create_app(default_llm, api_key="k")) as url:
+        r = httpx.get(f"{url}/api/nothing", headers={"Authorization": "Bearer k"})
+        assert r.status_code == 404 and set(r.json()) == {"error"}
+        r = httpx.post(f"{url}/api/chat", json={"model": "x", "messages": []})
+        assert r.status_code == 401 and "API key" in r.json()["error"]

@@ -22,7 +22,7 @@ from tinyllm.entrypoints.server.engine_requests import (
     plan_choices,
     request_constraint,
 )
-from tinyllm.entrypoints.server.errors import APIError
+from tinyllm.entrypoints.server.errors import APIError, add_error_shape
 from tinyllm.entrypoints.server.generation import Generation
 from tinyllm.entrypoints.server.ollama_model import OllamaModel, rfc3339
 from tinyllm.entrypoints.server.ollama_protocol import (
@@ -363,6 +363,8 @@ async def _drain(run: ChatRun, timer: _Timer, disconnected: Callable[[], Awaitab
 def install_ollama_routes(app: FastAPI, chat: ChatServing, llm: LLM) -> None:
     """Ollama's routes, answering errors in Ollama's shape ({"error": "..."})."""
     ollama = OllamaServing(chat, llm)
+    # What the handlers do not answer themselves (a wrong API key, an unknown /api route).
+    add_error_shape(app, "/api", lambda e: {"error": e.message})
 
     def ollama_errors(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         async def wrapped(raw: Request) -> Any:
