@@ -10,7 +10,7 @@ import ollama
 import pytest
 
 from tests.http_server import serving
-from tinyllm.engine.engine import LLMEngine
+from tests.test_server import _StumblingEngine
 from tinyllm.entrypoints.server.app import create_app
 from tinyllm.entrypoints.server.ollama import chat_messages, ollama_calls
 from tinyllm.entrypoints.server.ollama_protocol import Message
@@ -32,25 +32,6 @@ WEATHER = {
         },
     },
 }
-
-
-class _StumblingEngine:
-    """The real engine, but its next step() raises when told to, as a fault outside any one
-    request's work would: every running request fails with an error."""
-
-    def __init__(self, engine):
-        self._engine, self.stumble = engine, False
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    outputs = LLMEngine.outputs  # runs this engine's step()
-
-    def step(self):
-        if self.stumble:
-            self.stumble = False
-            raise RuntimeError("simulated fault in a step")
-        return self._engine.step()
 
 
 @pytest.fixture(scope="module")

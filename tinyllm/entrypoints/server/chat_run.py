@@ -249,9 +249,14 @@ class ChatRun:
                     continue
                 yield delta
 
-    async def finish(self, disconnected: Callable[[], Awaitable[bool]]) -> bool:
-        """Run every choice to its end; False if the client went away first."""
-        if not await self.gen.finish(disconnected):
+    async def finish(
+        self,
+        disconnected: Callable[[], Awaitable[bool]],
+        on_output: Callable[[], None] | None = None,
+    ) -> bool:
+        """Run every choice to its end; False if the client went away first. `on_output` runs
+        as outputs arrive."""
+        if not await self.gen.finish(disconnected, on_output):
             return False
         for c in self.choices:
             result = self.gen.results[c.index]

@@ -112,12 +112,19 @@ class Generation:
         while self._unfinished:
             yield await self._next()
 
-    async def finish(self, disconnected: Callable[[], Awaitable[bool]]) -> bool:
-        """Wait for every choice to finish; False if the client went away first."""
+    async def finish(
+        self,
+        disconnected: Callable[[], Awaitable[bool]],
+        on_output: Callable[[], None] | None = None,
+    ) -> bool:
+        """Wait for every choice to finish; False if the client went away first. `on_output`
+        runs as each batch of outputs arrives (a dialect that reports its own timings)."""
 
         async def drain() -> None:
             while self._unfinished:
                 await self._next()
+                if on_output is not None:
+                    on_output()
 
         async def watch() -> None:
             while not await disconnected():

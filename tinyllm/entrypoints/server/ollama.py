@@ -2,7 +2,6 @@
 translated into the shared chat path (chat_run): NDJSON streams, Ollama's error shape
 ({"error": "..."}) and its timing fields. docs/API_OLLAMA.md says what is supported."""
 
-import asyncio
 import json
 import logging
 import time
@@ -285,7 +284,7 @@ class OllamaServing:
         if stream:
             return StreamingResponse(self._stream(run, model, kind, timer), media_type=NDJSON)
         try:
-            if not await _drain(run, timer, raw.is_disconnected):
+            if not await run.finish(raw.is_disconnected, timer.tick):
                 return Response(status_code=499)  # nobody is listening
             return JSONResponse(self._final(run, model, kind, timer, whole=True))
         finally:
@@ -335,29 +334,6 @@ def ollama_calls(calls: list[ToolCall]) -> list[dict]:
         if c.complete and isinstance(arguments, dict):
             out.append({"function": {"name": c.name, "arguments": arguments}})
     return out
-
-
-async def _drain(run: ChatRun, timer: _Timer, disconnected: Callable[[], Awaitable[bool]]) -> bool:
-    """Run to the end (the answer sums in run.answers); False if the client went away first."""
-
-    async def work() -> None:
-        async for _ in run.deltas():
-            timer.tick()
-
-    async def watch() -> None:
-        while not await disconnected():
-            await asyncio.sleep(0.5)
-
-    task, watcher = asyncio.ensure_future(work()), asyncio.ensure_future(watch())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        task.cancel()
-        watcher.cancel()
-    if task.done() and not task.cancelled():
-        task.result()  # raises the request's error, if it failed
-        return True
-    return False
 
 
 def install_ollama_routes(app: FastAPI, chat: ChatServing, llm: LLM) -> None:
