@@ -1,10 +1,12 @@
 """Builds tinyllm's C++ CPU kernels with the package (pyproject.toml holds everything else):
 one library per instruction-set level this CPU runs (cpu_library.install_levels) that the
 compiler takes, into tinyllm/model/kernels/, where tinyllm/model/cpu_library.py loads the one
-for the CPU's level."""
+for the CPU's level. An editable install (a checkout, which runs where it is) builds this CPU's
+level alone."""
 
 import importlib.util
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -29,6 +31,11 @@ class BuildKernels(build_ext):
 
     def run(self) -> None:
         if self.inplace:  # an editable install, whose libraries of older sources go
+            if os.environ.get("TINYLLM_KERNEL_LEVELS") != "all":
+                # A checkout runs where it is: this CPU's level alone (a lower one, asked for
+                # with TINYLLM_CPU_LEVEL, compiles at its first use).
+                own = cpu_library.level()
+                self.extensions = [ext for ext in self.extensions if ext.level == own]
             current = {cpu_library.library_file(ext.level) for ext in self.extensions}
             for old in cpu_library.KERNELS.glob("tinyllm_cpu_*.so"):
                 if old.name not in current:
