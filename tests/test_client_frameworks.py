@@ -262,3 +262,29 @@ def test_litellm_completion_tools_and_schema(litellm, server):
         jsonschema.validate(json.loads(c.function.arguments), WEATHER_PARAMETERS)
     response = litellm_completion(litellm, server, response_format=Person)
     Person.model_validate_json(response.choices[0].message.content)
+
+
+def test_litellm_responses(litellm, server, caplog):
+    """litellm.responses against /v1/responses (its OpenAI provider sends the Responses body,
+    as the server's log of `resp_` requests shows): the text, and a forced call whose arguments
+    validate."""
+    caplog.set_level("INFO", logger="tinyllm.server")
+    url, name = server
+    common = dict(model=f"openai/{name}", api_base=url, api_key="unused", temperature=0)
+    response = litellm.responses(input="Say hello.", max_output_tokens=MAX_TOKENS, **common)
+    texts = [p.text for item in response.output if item.type == "message" for p in item.content]
+    assert "".join(texts) and response.usage.output_tokens > 0
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER_PARAMETERS}
+    response = litellm.responses(
+        input="What is the weather in Paris?",
+        tools=[tool],
+        tool_choice="required",
+        max_output_tokens=MAX_TOKENS,
+        **common,
+    )
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls and all(c.name == "get_weather" for c in calls)
+    for c in calls:
+        jsonschema.validate(json.loads(c.arguments), WEATHER_PARAMETERS)
+    started = [r.getMessage() for r in caplog.records if ": started," in r.getMessage()]
+    assert len(started) == 2 and all(m.startswith("resp_") for m in started)
