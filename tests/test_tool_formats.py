@@ -9,6 +9,7 @@ import gguf
 import llguidance
 import pytest
 
+from tests.test_tool_grammar import FUNCTIONS
 from tinyllm.text import tool_calls
 from tinyllm.text.tokenizer import Tokenizer
 from tinyllm.text.tool_calls import ToolCallStream, parse_tool_calls
@@ -29,24 +30,6 @@ DETECTED = {
     "Qwen-Qwen3-0.6B.jinja": HERMES,
     "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja": HERMES,
 }
-FUNCTIONS = [
-    {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
-            "required": ["city"],
-        },
-    },
-    {
-        "name": "add",
-        "parameters": {
-            "type": "object",
-            "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
-            "required": ["x", "y"],
-        },
-    },
-]
 WEATHER = ("get_weather", {"city": "Paris"})
 ADD = ("add", {"x": 1, "y": 2.5})
 FORMATS = [HERMES, LLAMA3_JSON, MISTRAL_V3, MISTRAL_V11]

@@ -20,6 +20,7 @@ from tinyllm.loaders.load_config import LoadConfig
 from tinyllm.loaders.model_loader import load_model
 from tinyllm.model.config import ModelLoadError
 from tinyllm.model.tensor_parallel import apply_tp
+from tinyllm.text.answer import parse_answer
 from tinyllm.text.reasoning import ThinkSplit, reasoning_format, template_kwargs, thinking_state
 from tinyllm.text.reasoning_grammar import thinking_grammar
 from tinyllm.text.tool_calls import parse_tool_calls
@@ -251,8 +252,8 @@ class LLM:
         outputs = self._submit(prompts, params, use_tqdm)
         for out, state in zip(outputs, states, strict=True):
             for completion in out.outputs:
-                split = ThinkSplit(fmt, state)
-                completion.reasoning, completion.text = split.feed(completion.text, final=True)
+                answer = parse_answer(completion.text, ThinkSplit(fmt, state))
+                completion.reasoning, completion.text = answer.reasoning, answer.content
         return outputs
 
     def _submit(
