@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -24,6 +25,9 @@ _ARCH_BY_CLASS = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "OlmoeForCausalLM": "olmoe",
 }
 # Kept in step with model.Rope: checked here so an unsupported model fails before its weights load.
 _ROPE_TYPES = (None, "default", "llama3", "linear", "longrope")
@@ -31,6 +35,10 @@ _ROPE_TYPES = (None, "default", "llama3", "linear", "longrope")
 _PHI3_LONGROPE_ALIASES = ("su", "yarn")
 # Buffers some checkpoints saved alongside the weights; tinyllm recomputes them.
 _UNUSED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Mixtral's checkpoints name its experts' layer block_sparse_moe and their gate, down and up
+# projections w1, w2 and w3; the model uses the other MoE families' names.
+_MIXTRAL_NAMES = re.compile(r"\.block_sparse_moe\.(?:(gate)|experts\.(\d+)\.(w[123]))\.")
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 
 def _read_json(path: Path) -> dict:
@@ -107,7 +115,9 @@ def _sliding_window(cfg: dict, config: ModelConfig) -> None:
     instead: full attention is the same there, and cheaper."""
     window, arch = cfg.get("sliding_window"), config.architecture
     qwen = arch in ("qwen2", "qwen3")
-    active = arch in ("mistral", "phi3") or (qwen and cfg.get("use_sliding_window", False))
+    active = arch in ("mistral", "mixtral", "phi3") or (
+        qwen and cfg.get("use_sliding_window", False)
+    )
     if not (active and window and window < config.max_position_embeddings):
         return
     if arch == "phi3":
@@ -129,8 +139,8 @@ def _sliding_window(cfg: dict, config: ModelConfig) -> None:
 
 
 def hf_config(model_dir: str | Path) -> ModelConfig:
-    """Read `config.json` of a Llama, Mistral, Qwen2, Qwen3 or Phi-3 checkpoint (`model_dir` is
-    its directory, or the file itself)."""
+    """Read `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3, Qwen3-MoE, Mixtral or OLMoE
+    checkpoint (`model_dir` is its directory, or the file itself)."""
     path = Path(model_dir)
     path = path if path.is_file() else path / "config.json"
     cfg = _read_json(path)
@@ -157,7 +167,9 @@ def hf_config(model_dir: str | Path) -> ModelConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             # Qwen2 always has q/k/v biases and its config does not say so.
             attention_bias=arch == "qwen2" or cfg.get("attention_bias", False),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_moe", "olmoe"),
+            qk_norm_all_heads=arch == "olmoe",
+            **_experts(cfg, arch),
             # Phi-4-mini rotates 3/4 of each head; transformers rounds the count down.
             rotary_dim=int(head_dim * partial) if partial != 1 else None,
         )
@@ -165,6 +177,28 @@ def hf_config(model_dir: str | Path) -> ModelConfig:
         raise ModelLoadError(f"{path} lacks {e.args[0]!r}") from None
     _sliding_window(cfg, config)
     return config
+
+
+def _experts(cfg: dict, arch: str) -> dict:
+    """ModelConfig's mixture-of-experts fields, as transformers reads them: Qwen3-MoE's experts
+    on the layers decoder_sparse_step marks and not in mlp_only_layers; Mixtral's and OLMoE's
+    on every layer. Mixtral always renormalises its top-k; the others by norm_topk_prob."""
+    if arch not in ("qwen3_moe", "mixtral", "olmoe"):
+        return {}
+    if arch == "olmoe" and cfg.get("clip_qkv") is not None:
+        raise UnsupportedModelError("OLMoE with clip_qkv (clamped q/k/v) is not supported")
+    dense = ()
+    if arch == "qwen3_moe":
+        step, only = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
+        n = cfg["num_hidden_layers"]
+        dense = tuple(i for i in range(n) if i in only or (i + 1) % step)
+    return {
+        "num_experts": cfg.get("num_experts") or cfg["num_local_experts"],
+        "num_experts_per_tok": cfg["num_experts_per_tok"],
+        "moe_intermediate_size": cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+        "norm_topk_prob": arch == "mixtral" or cfg.get("norm_topk_prob", False),
+        "dense_mlp_layers": dense,
+    }
 
 
 def _shard_map(model_dir: Path) -> dict[str, list[str] | None]:
@@ -206,6 +240,16 @@ class SafetensorsTensor(StoredTensor):
         return t.to(self.dtype) if t.is_floating_point() else t
 
 
+def _model_name(name: str) -> str:
+    """A checkpoint's tensor name as the model names it (Mixtral's experts renamed)."""
+
+    def rename(m: re.Match) -> str:
+        gate, expert, w = m.groups()
+        return ".mlp.gate." if gate else f".mlp.experts.{expert}.{_MIXTRAL_EXPERT[w]}."
+
+    return _MIXTRAL_NAMES.sub(rename, name)
+
+
 def hf_tensors(model_dir: str | Path, dtype: torch.dtype) -> dict[str, SafetensorsTensor]:
     """Every tensor of the checkpoint the model uses, opened but not read (see
     SafetensorsTensor)."""
@@ -217,7 +261,7 @@ def hf_tensors(model_dir: str | Path, dtype: torch.dtype) -> dict[str, Safetenso
             file = safe_open(path, framework="pt")
             for name in names if names is not None else file.keys():
                 if not name.endswith(_UNUSED_SUFFIXES):
-                    tensors[name] = SafetensorsTensor(file, name, path, dtype)
+                    tensors[_model_name(name)] = SafetensorsTensor(file, name, path, dtype)
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"cannot read {path}: {e}") from e
     return tensors

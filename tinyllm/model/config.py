@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_ARCHITECTURES = (
+    "llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral", "olmoe",
+)  # fmt: skip
 
 # Families close to Llama that tinyllm refuses, and why: what their layers do that the one model
 # file (model/llama.py) and its attention backends do not. Keyed by Hugging Face's model_type,
@@ -26,6 +28,11 @@ REFUSED_ARCHITECTURES = {
 }
 REFUSED_ARCHITECTURES["gemma3_text"] = REFUSED_ARCHITECTURES["gemma3"]
 REFUSED_ARCHITECTURES["phi2"] = REFUSED_ARCHITECTURES["phi"]  # Phi-2's GGUF architecture
+REFUSED_ARCHITECTURES["gpt_oss"] = (
+    "attention sinks, sliding-window attention on every other layer, YaRN RoPE, a clamped "
+    "SwiGLU with biases in its experts and MXFP4 expert weights"
+)
+REFUSED_ARCHITECTURES["gpt-oss"] = REFUSED_ARCHITECTURES["gpt_oss"]  # its GGUF architecture
 
 
 class ModelLoadError(ValueError):
@@ -61,6 +68,15 @@ class ModelConfig:
     sliding_window: int | None = None
     # The layers that slide (Qwen2's and Qwen3's from max_window_layers on); None: every layer.
     sliding_window_layers: tuple[int, ...] | None = None
+    # Mixture of experts (Qwen3-MoE, Mixtral, OLMoE; model/moe.py): 0 experts is a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k: the experts each token runs
+    moe_intermediate_size: int = 0  # each expert's FFN width
+    norm_topk_prob: bool = False  # the top-k probabilities renormalised to sum to 1
+    # The layers with a dense MLP in a MoE model (Qwen3-MoE's mlp_only_layers, decoder_sparse_step).
+    dense_mlp_layers: tuple[int, ...] = ()
+    # OLMoE: q_norm and k_norm span all heads' width (one norm of q's whole row), not one head.
+    qk_norm_all_heads: bool = False
     # Above 1, this is one rank's part of a model split over that many (see shard): the head
     # counts and intermediate_size above are the rank's own.
     tensor_parallel_size: int = 1
@@ -86,10 +102,19 @@ class ModelConfig:
                 )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ModelLoadError(f"sliding_window {self.sliding_window} must be >= 1")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ModelLoadError(
+                f"num_experts_per_tok {self.num_experts_per_tok} must be in 1..num_experts "
+                f"({self.num_experts})"
+            )
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` runs a mixture of experts (model/moe.py) instead of the MLP."""
+        return self.num_experts > 0 and layer not in self.dense_mlp_layers
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer`, or None where it attends to the whole context."""
@@ -98,14 +123,21 @@ class ModelConfig:
 
     def shard(self, world_size: int) -> "ModelConfig":
         """One rank's part of this model split over `world_size` ranks (tensor parallelism):
-        its query heads, KV heads and FFN width, each this many divided by world_size. The
+        its query heads, KV heads and FFN widths (the experts' too), each this many divided by world_size. The
         model built from it has the rank's shapes, and its KV cache holds the rank's heads."""
         if world_size == 1:
             return self
+        if self.qk_norm_all_heads:
+            raise ValueError(
+                f"tensor parallelism does not split {self.architecture}: its q/k norms span all "
+                "heads, so each rank's heads would need the others' to normalise"
+            )
         split = {
             "num_heads": self.num_heads,
             "num_kv_heads": self.num_kv_heads,
             "intermediate_size": self.intermediate_size,
+            # Each rank holds every expert's slice of its FFN width, as of the dense MLP's.
+            "moe_intermediate_size": self.moe_intermediate_size,
         }
         uneven = [f"{name} {n}" for name, n in split.items() if n % world_size]
         if uneven:

@@ -12,6 +12,10 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen2": Transformer,
     "qwen3": Transformer,
     "phi3": Transformer,
+    # Llama-family attention with model/moe.py's experts on the layers the config marks.
+    "qwen3_moe": Transformer,
+    "mixtral": Transformer,
+    "olmoe": Transformer,
 }
 
 

@@ -98,9 +98,12 @@ class Attention(nn.Module):
         width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         self.qkv_proj = nn.Linear(c.hidden_size, width, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
-        if c.qk_norm:
-            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        if c.qk_norm:  # per head (Qwen3), or over all heads' width (OLMoE)
+            q_width = k_width = c.head_dim
+            if c.qk_norm_all_heads:
+                q_width, k_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+            self.q_norm = RMSNorm(q_width, c.rms_norm_eps)
+            self.k_norm = RMSNorm(k_width, c.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
@@ -108,9 +111,9 @@ class Attention(nn.Module):
         N, H, KV, D = x.shape[0], self.n_heads, self.n_kv, self.head_dim
         qkv = self.qkv_proj(x)
         q, k, v = qkv.view(N, H + 2 * KV, D).split([H, KV, KV], dim=1)
-        if self.q_norm is not None:  # Qwen3: per head, before the rotation
-            q.copy_(self.q_norm(q))
-            k.copy_(self.k_norm(k))
+        if self.q_norm is not None:  # before the rotation; per head, or over q's whole row
+            q.copy_(self.q_norm(q.reshape(N, -1, self.q_norm.weight.numel())).view_as(q))
+            k.copy_(self.k_norm(k.reshape(N, -1, self.k_norm.weight.numel())).view_as(k))
         layer_ops.rotary(qkv, positions, rope.cos, rope.sin, H + KV, D)
         k_cache, v_cache = ctx.kv_caches[self.layer]
         out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale, self.window)
@@ -142,15 +145,33 @@ STACKED = {
 }
 
 
+# A mixture-of-experts layer's experts (model/moe.py): each stacks its gate and up as the MLP.
+EXPERT_STACKED = ("gate_up_proj", ("gate_proj", "up_proj"))
+
+
+def expert_prefix(name: str) -> str | None:
+    """`model.layers.N.mlp.experts.E.` for a name under an expert, else None."""
+    head, sep, rest = name.partition(".mlp.experts.")
+    expert = rest.partition(".")[0]
+    return f"{head}{sep}{expert}." if sep and expert.isdigit() else None
+
+
 def fuse_projections(state_dict: dict, num_layers: int) -> dict:
     """Hugging Face's separate q/k/v and gate/up weights (and biases) stacked into the model's
-    qkv_proj and gate_up_proj; a state dict that has them stacked already is returned as is."""
+    qkv_proj and gate_up_proj, the experts' gate/up too; a state dict that has them stacked
+    already is returned as is."""
     fused = dict(state_dict)
-    for i in range(num_layers):
-        for own, parts in STACKED.items():
-            for kind in ("weight", "bias"):
-                names = [f"model.layers.{i}.{part}.{kind}" for part in parts]
-                if all(n in fused for n in names):
-                    stacked = cat_rows([fused.pop(n) for n in names])
-                    fused[f"model.layers.{i}.{own}.{kind}"] = stacked
+    stacks = [
+        (f"model.layers.{i}.{own}", [f"model.layers.{i}.{part}" for part in parts])
+        for i in range(num_layers)
+        for own, parts in STACKED.items()
+    ]
+    own, parts = EXPERT_STACKED
+    experts = {expert_prefix(name) for name in state_dict} - {None}
+    stacks += [(p + own, [p + part for part in parts]) for p in sorted(experts)]
+    for own, parts in stacks:
+        for kind in ("weight", "bias"):
+            names = [f"{part}.{kind}" for part in parts]
+            if all(n in fused for n in names):
+                fused[f"{own}.{kind}"] = cat_rows([fused.pop(n) for n in names])
     return fused
