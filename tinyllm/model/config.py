@@ -123,8 +123,9 @@ class ModelConfig:
 
     def shard(self, world_size: int) -> "ModelConfig":
         """One rank's part of this model split over `world_size` ranks (tensor parallelism):
-        its query heads, KV heads and FFN widths (the experts' too), each this many divided by world_size. The
-        model built from it has the rank's shapes, and its KV cache holds the rank's heads."""
+        its query heads, KV heads and FFN widths (the experts' too), each this many divided by
+        world_size. The model built from it has the rank's shapes, and its KV cache holds the
+        rank's heads."""
         if world_size == 1:
             return self
         if self.qk_norm_all_heads:
