@@ -112,8 +112,9 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         q, k, v = qkv.view(N, H + 2 * KV, D).split([H, KV, KV], dim=1)
         if self.q_norm is not None:  # before the rotation; per head, or over q's whole row
-            q.copy_(self.q_norm(q.reshape(N, -1, self.q_norm.weight.numel())).view_as(q))
-            k.copy_(self.k_norm(k.reshape(N, -1, self.k_norm.weight.numel())).view_as(k))
+            # Rows of the norm's width, contiguous: the kernel's per-row order, whatever N is.
+            for x, norm in ((q, self.q_norm), (k, self.k_norm)):
+                x.copy_(norm(x.reshape(-1, norm.weight.numel()).contiguous()).view_as(x))
         layer_ops.rotary(qkv, positions, rope.cos, rope.sin, H + KV, D)
         k_cache, v_cache = ctx.kv_caches[self.layer]
         out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale, self.window)

@@ -68,7 +68,12 @@ class SparseMoE(nn.Module):
         """Each token's top-k experts (N, k) int64 and their weights (N, k) fp32: softmax of the
         router's logits in fp32, then the top k (ties to the lower expert id), renormalised to
         sum to 1 where the family does (Mixtral always; Qwen3-MoE and OLMoE by config)."""
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        w = self.gate.weight
+        # Each row's logits by a product of its own (a batch of 1-row matrices): torch's GEMM
+        # picks its blocking by the row count, and a logit's last bit moves the weights, so a
+        # token's experts' weights would depend on what else is in the step.
+        logits = torch.bmm(x.unsqueeze(1), w.T.expand(len(x), *w.T.shape)).squeeze(1)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights /= weights.sum(dim=-1, keepdim=True)
