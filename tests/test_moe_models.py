@@ -23,9 +23,11 @@ from tests.model_runs import load, prompt_logits
 from tests.test_gguf_loader import VOCAB, llama_cpp_permute
 from tests.test_hf_loader import BASE, _random_hf_model, _write_tokenizer
 from tinyllm import LLM, SamplingParams
-from tinyllm.loaders.gguf import gguf_config, open_gguf
+from tinyllm.loaders.gguf import GGUFTensor, gguf_config, open_gguf
 from tinyllm.loaders.hf import hf_config
 from tinyllm.loaders.model_loader import LoadConfig, load_model
+from tinyllm.loaders.source import open_checkpoint
+from tinyllm.loaders.stored import ALL
 from tinyllm.model.attention import get_backend
 from tinyllm.model.config import UnsupportedModelError
 from tinyllm.model.cpu_library import library_error
@@ -252,6 +254,15 @@ def test_gguf_matches_transformers(family, checkpoint, qtype, tmp_path):
         for prompt, ours in zip(prompts(8, 5), prompt_logits(model, prompts(8, 5)), strict=True):
             torch.testing.assert_close(ours, hf_logits(reference, prompt), atol=1e-4, rtol=1e-4)
         return
+    checkpoint = open_checkpoint(str(path), torch.float32, keep_quantized=True)
+    expert = checkpoint.tensors["model.layers.0.mlp.experts.1.down_proj.weight"]
+    assert expert.shape == (64, 64) and isinstance(expert, GGUFTensor)
+    # Each expert's blocks are read from the file's map, not a copy of the stacked tensor.
+    blocks = expert._blocks(ALL, ALL)[0]
+    assert (
+        np.shares_memory(blocks, expert.tensor.data)
+        and blocks.nbytes * len(expert.tensor.data) == expert.tensor.n_bytes
+    )
     model = load(path, quantization="auto")  # the file's Q4_0 blocks packed as stored
     assert model.model.layers[0].mlp.experts[0].gate_up_proj.bits == 4
     assert_int4_close(model, family)
@@ -374,11 +385,14 @@ def _tp_rank(rank: int, world_size: int, port: int, path: Path, out: Path) -> No
 
 
 def test_tensor_parallel_ranks_give_the_whole_models_logits(family, checkpoint, tmp_path):
+    """On Qwen3-MoE (a dense layer among MoE ones; Mixtral's experts split the same way)."""
     path = checkpoint[1]
     if family == "olmoe":
         with pytest.raises(ValueError, match="q/k norms span all heads"):
             hf_config(path).shard(2)
         return
+    if family != "qwen3_moe":
+        pytest.skip("the experts' split is the same in every family")
     whole = _tp_logits(path, 0, 1)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -387,8 +401,11 @@ def test_tensor_parallel_ranks_give_the_whole_models_logits(family, checkpoint, 
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for variant, expected in whole.items():
         assert ranks[0][variant].equal(ranks[1][variant]), variant
-        # The ranks add their partial sums in another order than one process: fp32 rounding.
-        torch.testing.assert_close(ranks[0][variant], expected, rtol=0, atol=2e-5)
+        # The ranks add their partial sums in another order than one process, which in int4
+        # can move an activation's 8-bit code by a step: measured within 2e-4 of the logits'
+        # spread; a missing all-reduce moves them by about the spread itself.
+        atol = 1e-3 * expected.std().item()
+        torch.testing.assert_close(ranks[0][variant], expected, rtol=0, atol=atol)
         assert ranks[0][variant].argmax(-1).equal(expected.argmax(-1))
 
 
