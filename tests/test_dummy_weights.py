@@ -32,6 +32,10 @@ KNOWN_PARAMETERS = {
     "llama-3.2-1b": 1_235_814_400,
     "qwen3-1.7b": 1_720_574_976,
     "llama-3.1-8b": 8_030_261_248,
+    # The MoE models' published totals (their model cards: 6.9B, 30.5B, 46.7B).
+    "olmoe-1b-7b": 6.9e9,
+    "qwen3-30b-a3b": 30.5e9,
+    "mixtral-8x7b": 46.7e9,
 }
 
 

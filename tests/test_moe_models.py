@@ -23,13 +23,15 @@ from tests.model_runs import load, prompt_logits
 from tests.test_gguf_loader import VOCAB, llama_cpp_permute
 from tests.test_hf_loader import BASE, _random_hf_model, _write_tokenizer
 from tinyllm import LLM, SamplingParams
+from tinyllm.loaders import dummy
+from tinyllm.loaders.dummy import dummy_config, dummy_weights, parameter_count
 from tinyllm.loaders.gguf import GGUFTensor, gguf_config, open_gguf
 from tinyllm.loaders.hf import hf_config
 from tinyllm.loaders.model_loader import LoadConfig, load_model
 from tinyllm.loaders.source import open_checkpoint
 from tinyllm.loaders.stored import ALL
 from tinyllm.model.attention import get_backend
-from tinyllm.model.config import UnsupportedModelError
+from tinyllm.model.config import ModelLoadError, UnsupportedModelError
 from tinyllm.model.cpu_library import library_error
 from tinyllm.model.layer_executor import choose_layer_executor
 from tinyllm.model.layer_ops import has_op, moe_experts_torch
@@ -421,3 +423,29 @@ def test_gpt_oss_is_refused_naming_what_it_needs(tmp_path):
     assert line.startswith("GptOssForCausalLM (model_type 'gpt_oss') is not supported: it needs")
     assert "attention sinks" in line and "MXFP4" in line and "qwen3_moe" in line
     assert transformers.GptOssConfig.model_type == "gpt_oss"
+
+
+# ---- dummy weights of MoE shapes ----
+
+
+def test_dummy_weights_run_and_count_the_experts(family, checkpoint):
+    """A MoE config.json as dummy weights: the parameters transformers' model has, experts
+    and routers included, and greedy tokens on the int4 kernels with a dense router."""
+    reference, path = checkpoint
+    config = dummy_config(str(path / "config.json"))[2]
+    count = sum(p.numel() for p in reference.parameters())
+    assert parameter_count(config) == count
+    assert sum(w.numel() for w in dummy_weights(config, "none", torch.float32).values()) == count
+    dummy = LLM(str(path / "config.json"), load_format="dummy", dtype="float32", num_blocks=16)
+    assert isinstance(dummy.engine.model.model.layers[0].mlp.gate, torch.nn.Linear)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    (out,) = dummy.generate([[5, 17, 42, 7]], params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_a_moe_shape_too_big_for_memory_is_refused_first(monkeypatch):
+    """The memory check counts every expert: Mixtral-8x7B's 46.7B parameters, not its 13B
+    active ones."""
+    monkeypatch.setattr(dummy, "available_bytes", lambda device: 30 * 2**30)
+    with pytest.raises(ModelLoadError, match=r"46\.70B parameters in int4 need about 38\.\d GiB"):
+        dummy.load_dummy("mixtral-8x7b", "int4", torch.float32)
