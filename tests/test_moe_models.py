@@ -36,7 +36,7 @@ from tinyllm.model.cpu_library import library_error
 from tinyllm.model.layer_executor import choose_layer_executor
 from tinyllm.model.layer_ops import has_op, moe_experts_torch
 from tinyllm.model.llama import Transformer
-from tinyllm.model.moe import SparseMoE
+from tinyllm.model.moe import MoEArgs, SparseMoE
 from tinyllm.model.quant import QuantLinear, unpack
 from tinyllm.model.tensor_parallel import apply_tp
 
@@ -449,3 +449,10 @@ def test_a_moe_shape_too_big_for_memory_is_refused_first(monkeypatch):
     monkeypatch.setattr(dummy, "available_bytes", lambda device: 30 * 2**30)
     with pytest.raises(ModelLoadError, match=r"46\.70B parameters in int4 need about 38\.\d GiB"):
         dummy.load_dummy("mixtral-8x7b", "int4", torch.float32)
+
+
+@pytest.mark.skipif(not has_op("decoder_moe"), reason="this build has no decoder_moe op")
+def test_moe_args_are_the_ops_schema():
+    """MoEArgs names decoder_moe's arguments after the step's (o, residual), in order."""
+    schema = torch.ops.tinyllm.decoder_moe.default._schema
+    assert [a.name for a in schema.arguments] == ["o", "residual", *MoEArgs._fields]
