@@ -411,6 +411,25 @@ def test_tensor_parallel_ranks_give_the_whole_models_logits(family, checkpoint, 
         assert ranks[0][variant].argmax(-1).equal(expected.argmax(-1))
 
 
+def test_gguf_ranks_read_their_slice_of_every_expert(checkpoint, family, tmp_path):
+    """From a Q4_0 file, each of two ranks holds its half of every expert's FFN width: its rows
+    of gate and of up, its columns of down, read from the file's blocks; the router whole."""
+    if family == "olmoe":
+        pytest.skip("OLMoE is not split (its q/k norms span all heads)")
+    path = write_moe_gguf(tmp_path / "m.gguf", checkpoint[0], family, Q.Q4_0)
+    config = LoadConfig(str(path), "float32", "none")
+    whole = load_model(config, CPU).model.model.layers[0].mlp
+    half = whole.intermediate // 2
+    for rank in range(2):
+        part = load_model(config, CPU, rank, 2).model.model.layers[0].mlp
+        assert part.gate.weight.equal(whole.gate.weight)
+        for e, (mine, all_) in enumerate(zip(part.experts, whole.experts, strict=True)):
+            gate, up = all_.gate_up_proj.weight.chunk(2)
+            rows = slice(rank * half, (rank + 1) * half)
+            assert mine.gate_up_proj.weight.equal(torch.cat([gate[rows], up[rows]])), e
+            assert mine.down_proj.weight.equal(all_.down_proj.weight[:, rows]), e
+
+
 # ---- what is still refused ----
 
 
