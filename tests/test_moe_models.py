@@ -124,10 +124,13 @@ def reference_with(model: Transformer, family: str) -> torch.nn.Module:
     return reference
 
 
-def write_moe_gguf(path: Path, reference: torch.nn.Module, family: str, qtype: Q) -> Path:
+def write_moe_gguf(
+    path: Path, reference: torch.nn.Module, family: str, qtype: Q, per_expert: bool = False
+) -> Path:
     """`reference`'s weights as llama.cpp's converter writes the family: each layer's experts
-    stacked in ffn_{gate,up,down}_exps, its router as ffn_gate_inp; llama's q/k permuted. 2-D
-    and 3-D weights as `qtype`, norms and the router in F32."""
+    stacked in ffn_{gate,up,down}_exps (`per_expert`: as ffn_{gate,up,down}.E, Mixtral's files
+    of 2023), its router as ffn_gate_inp; llama's q/k permuted. 2-D and 3-D weights as `qtype`,
+    norms and the router in F32."""
     arch, c = GGUF_ARCH[family], reference.config
     writer = gguf.GGUFWriter(path, arch)
     experts = getattr(c, "num_experts", None) or c.num_local_experts
@@ -171,6 +174,10 @@ def write_moe_gguf(path: Path, reference: torch.nn.Module, family: str, qtype: Q
             heads = c.num_attention_heads if "q_proj" in suffix else c.num_key_value_heads
             w = llama_cpp_permute(w, heads)
         tensors[f"blk.{i}.{names[suffix]}.weight"] = w
+    for name in [n for n in tensors if per_expert and "_exps." in n]:
+        kind = name.split(".")[2].removesuffix("_exps")  # ffn_gate, ffn_up, ffn_down
+        for e, w in enumerate(tensors.pop(name)):
+            tensors[name.replace(f"{kind}_exps.", f"{kind}.{e}.")] = w
     for name, w in tensors.items():
         if w.ndim == 1 or qtype == Q.F32 or "ffn_gate_inp" in name:
             writer.add_tensor(name, np.ascontiguousarray(w))
@@ -268,6 +275,18 @@ def test_gguf_matches_transformers(family, checkpoint, qtype, tmp_path):
     model = load(path, quantization="auto")  # the file's Q4_0 blocks packed as stored
     assert model.model.layers[0].mlp.experts[0].gate_up_proj.bits == 4
     assert_int4_close(model, family)
+
+
+def test_mixtral_gguf_with_an_expert_per_tensor(checkpoint, family, tmp_path):
+    """Mixtral files converted before llama.cpp stacked the experts name each expert's own."""
+    if family != "mixtral":
+        pytest.skip("only Mixtral's files had this layout")
+    reference = checkpoint[0]
+    path = write_moe_gguf(tmp_path / "m.gguf", reference, family, Q.F32, per_expert=True)
+    assert "blk.1.ffn_down.3.weight" in {t.name for t in open_gguf(path).tensors}
+    model = load(path)
+    for prompt, ours in zip(prompts(8, 5), prompt_logits(model, prompts(8, 5)), strict=True):
+        torch.testing.assert_close(ours, hf_logits(reference, prompt), atol=1e-4, rtol=1e-4)
 
 
 # ---- the engine: greedy tokens, batch invariance, the server ----

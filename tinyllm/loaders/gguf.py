@@ -344,6 +344,11 @@ def _tensor_names(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]
         "ffn_up_exps.weight": ("mlp.experts.{}.up_proj.weight", (e, ffn_e, h)),
         "ffn_down_exps.weight": ("mlp.experts.{}.down_proj.weight", (e, h, ffn_e)),
     }
+    if config.architecture == "mixtral":  # files converted before the stacked tensors (2023)
+        for e in range(config.num_experts):
+            moe[f"ffn_gate.{e}.weight"] = (f"mlp.experts.{e}.gate_proj.weight", (ffn_e, h))
+            moe[f"ffn_up.{e}.weight"] = (f"mlp.experts.{e}.up_proj.weight", (ffn_e, h))
+            moe[f"ffn_down.{e}.weight"] = (f"mlp.experts.{e}.down_proj.weight", (h, ffn_e))
     for i in range(config.num_layers):
         for gguf_name, (hf_name, shape) in (moe if config.is_moe_layer(i) else layer).items():
             names[f"blk.{i}.{gguf_name}"] = (f"model.layers.{i}.{hf_name}", shape)
@@ -458,7 +463,8 @@ def gguf_tensors(
                 tensors[hf_name.format(e)] = GGUFTensor(tensor, *args)
         else:
             tensors[hf_name] = GGUFTensor(tensor, shape, config, dtype, as_groups, where)
-    missing = [hf_name for hf_name, shape in expected.values() if hf_name.format(0) not in tensors]
+    # A stacked tensor's experts, or each expert's own (Mixtral's older files): either will do.
+    missing = [hf_name for hf_name, _ in expected.values() if hf_name.format(0) not in tensors]
     if missing:
         raise ModelLoadError(f"{where}: missing tensors {', '.join(missing[:5])}")
     return tensors
