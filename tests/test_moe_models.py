@@ -20,7 +20,7 @@ import transformers
 from tests.engine_runs import engine_on, run_all
 from tests.http_server import openai_client
 from tests.model_runs import load, prompt_logits
-from tests.test_gguf_loader import VOCAB, llama_cpp_permute
+from tests.test_gguf_loader import VOCAB, llama_cpp_permute, write_gguf
 from tests.test_hf_loader import BASE, _random_hf_model, _write_tokenizer
 from tinyllm import LLM, SamplingParams
 from tinyllm.loaders import dummy
@@ -450,6 +450,17 @@ def test_gguf_ranks_read_their_slice_of_every_expert(checkpoint, family, tmp_pat
 
 
 # ---- what is still refused ----
+
+
+@pytest.mark.parametrize(
+    "arch,needs", [("gpt-oss", "attention sinks"), ("qwen2moe", "a shared expert")]
+)
+def test_unsupported_moe_gguf_is_refused_naming_what_it_needs(arch, needs, tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", {}, arch, metadata={f"{arch}.expert_count": 8})
+    with pytest.raises(UnsupportedModelError) as error:
+        gguf_config(open_gguf(path))
+    (line,) = str(error.value).splitlines()
+    assert f"GGUF architecture {arch!r} is not supported: it needs {needs}" in line
 
 
 def test_gpt_oss_is_refused_naming_what_it_needs(tmp_path):

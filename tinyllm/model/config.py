@@ -33,6 +33,11 @@ REFUSED_ARCHITECTURES["gpt_oss"] = (
     "SwiGLU with biases in its experts and MXFP4 expert weights"
 )
 REFUSED_ARCHITECTURES["gpt-oss"] = REFUSED_ARCHITECTURES["gpt_oss"]  # its GGUF architecture
+REFUSED_ARCHITECTURES["qwen2_moe"] = (
+    "a shared expert, with its own sigmoid gate, beside the routed experts (model/moe.py has "
+    "routed experts only)"
+)
+REFUSED_ARCHITECTURES["qwen2moe"] = REFUSED_ARCHITECTURES["qwen2_moe"]  # its GGUF architecture
 
 
 class ModelLoadError(ValueError):
