@@ -49,8 +49,9 @@ void check_weight(const char* op, const char* name, int64_t e, const at::Tensor&
   TORCH_CHECK(w.device().is_cpu(), op, ": ", name, "[", e, "] must be on the CPU, not ",
               w.device());
   TORCH_CHECK(packed || plain, op, ": ", name, "[", e, "] ", w.sizes(), " of ", w.scalar_type(),
-              " must be ", at::IntArrayRef(dense), " of ", dtype, " (x's dtype), or packed records ",
-              at::IntArrayRef(tiles), " x ", kRecord4, " or ", kRecord8, " bytes of Byte");
+              " must be ", at::IntArrayRef(dense), " of ", dtype,
+              " (x's dtype), or packed records ", at::IntArrayRef(tiles), " x ", kRecord4, " or ",
+              kRecord8, " bytes of Byte");
 }
 
 // Which slots (t * k + j) chose each expert: the active experts in ascending id, most rows
@@ -92,8 +93,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_ids,
                        int64_t intermediate) {
   const char* op = "moe_experts";
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op, ": x must be Float or BFloat16, not ",
-              dtype);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op,
+              ": x must be Float or BFloat16, not ", dtype);
   tinyllm::check_array(op, "x", x, dtype);
   tinyllm::check_array(op, "topk_ids", topk_ids, at::kLong);
   tinyllm::check_array(op, "topk_weights", topk_weights, at::kFloat);
