@@ -111,26 +111,31 @@ def test_moe_experts_is_a_loop_over_each_tokens_slots(fmt, dtype, tol):
         torch.testing.assert_close(y, experts.loop(x, ids, weights), rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_tokens_output_does_not_depend_on_its_step(fmt, dtype):
-    """Each token of a 40-token step (4 of 8 experts each: about 20 rows an expert) alone, and
-    in steps of 2 to 17 tokens (experts of 1 to 17 rows: groups of 4 rows, and on an AMX CPU
-    tile products from 5 rows), on one thread and on the default threads: the same bits."""
+    """Each token of a 40-token step alone, and in steps of 2 to 17 tokens (experts of 1 to 17
+    rows: groups of 4 rows, and on an AMX CPU tile products from 5 rows), on one thread and on
+    the default threads: the same bits. With 4 of 8 experts a token, the threads share out
+    whole experts; with 1, a token alone has one expert, whose linears split over the threads.
+    (Dense experts run torch's GEMM, whose bits depend on the row count, as the dense MLP's.)"""
     experts = Experts(fmt, seed=3)
     gen = torch.Generator().manual_seed(4)
-    ids, weights = routing(40, 4, gen)
     x = torch.randn(40, HIDDEN, generator=gen).to(dtype)
-    whole = experts.run(x, ids, weights)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(experts.run(x, ids, weights), whole)
-    finally:
-        torch.set_num_threads(threads)
     steps = [[t] for t in range(40)]
     steps += [torch.randperm(40, generator=gen)[:size].tolist() for size in (2, 5, 8, 9, 17)]
-    for step in steps:
-        y = experts.run(x[step], ids[step], weights[step])
-        assert torch.equal(y, whole[step]), step
+    for k in (4, 1):
+        ids, weights = routing(40, k, gen)
+        whole = experts.run(x, ids, weights)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(experts.run(x, ids, weights), whole)
+        finally:
+            torch.set_num_threads(threads)
+        for step in steps:
+            y = experts.run(x[step], ids[step], weights[step])
+            assert torch.equal(y, whole[step]), (k, step)
 
 
 def test_no_tokens_and_no_slots():

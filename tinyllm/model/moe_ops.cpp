@@ -142,9 +142,11 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_ids,
     tinyllm::silu_and_mul(act, h);
     results[i] = tinyllm::linear(act, down[e], std::nullopt, hidden);
   };
-  // With more experts than threads to share out, each thread runs whole experts, taken most
-  // rows first as threads come free; with fewer, the experts one by one, each linear split
-  // over the threads by its output rows.
+  // With at least two experts a thread, each thread runs whole experts, taken most rows first
+  // as threads come free: one parallel region a step, where splitting each linear over the
+  // threads takes two an expert, and each costs a wait for every thread (docs/MEASUREMENTS.md,
+  // "The mixture-of-experts op"). With fewer experts (Mixtral's 2 of 8 at one token), one by
+  // one, each linear split over the threads by its output rows.
   const int64_t threads = at::get_num_threads();
   if (active >= 2 * threads && !at::in_parallel_region()) {
     std::atomic<int64_t> next{0};
@@ -210,7 +212,8 @@ template <typename T>
 void route(const T* x, const T* gate, int64_t n, int64_t hidden, int64_t num_experts,
            int64_t top_k, bool norm_topk_prob, int64_t* ids, float* weights) {
   std::vector<float> logits(n * num_experts);
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, n * hidden));
+  // Experts per task: about 64K multiply-adds, so one token's router is a few tasks.
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, n * hidden));
   at::parallel_for(0, num_experts, grain, [&](int64_t begin, int64_t end) {
     for (int64_t e = begin; e < end; ++e) {
       for (int64_t t = 0; t < n; ++t) {
