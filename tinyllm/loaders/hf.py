@@ -55,9 +55,11 @@ _TEXT_MODEL_PREFIXES = {
     "model.language_model.": "model.",
     "language_model.lm_head.": "lm_head.",
 }
-_VISION_PREFIXES = (
-    "vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
-)  # fmt: skip
+_VISION_PREFIXES = tuple(
+    f"{outer}{part}."
+    for outer in ("", "model.")
+    for part in ("vision_tower", "multi_modal_projector")
+)
 # Kept in step with model.Rope: checked here so an unsupported model fails before its weights load.
 _ROPE_TYPES = (None, "default", "llama3", "linear", "longrope")
 # Phi-3's configs written before transformers named LongRoPE (transformers reads them the same).
