@@ -2,7 +2,8 @@
 directory and from GGUF (fp32 and the int4 kernels) against transformers, on prompts longer than
 the sliding window; both attention backends and both layer executors; greedy tokens through LLM
 with chunked prefill and the prefix cache; TP=2; the text model of a Gemma 3 vision-language
-checkpoint; the soft-capping attention kernel and the GeGLU op against plain torch; the chat
+checkpoint; the soft-capping attention kernel against a plain loop (the GeGLU op:
+test_layer_ops, test_cpu_op_shapes); the chat
 templates, tools through the generic tool prompt."""
 
 import copy
@@ -25,7 +26,6 @@ from tests.test_tensor_parallel_model import _free_port, _rank, _variants
 from tinyllm.loaders.dummy import dummy_config
 from tinyllm.loaders.gguf import gguf_config, open_gguf
 from tinyllm.loaders.hf import hf_config
-from tinyllm.model import layer_ops
 from tinyllm.model.attention.backend import AttentionMetadata
 from tinyllm.model.attention.cpu import load_cpu_backend
 from tinyllm.model.attention.reference import ReferenceBackend
@@ -449,17 +449,6 @@ def test_softcapped_tokens_keep_their_bits_whatever_the_chunk():
         for first in range(L - n, L, size):
             end = min(first + size, L)
             assert torch.equal(span(first, end), whole[first - (L - n) : end - (L - n)])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gelu_tanh_and_mul_is_torchs(dtype):
-    x = (torch.randn(5, 2 * 96, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
-    out = layer_ops.gelu_tanh_and_mul(x)
-    expected = layer_ops.gelu_tanh_and_mul_torch(x)
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.02, rtol=0.01)
-    torch.testing.assert_close(out, expected, **tol)
-    with pytest.raises(RuntimeError, match="gelu_tanh_and_mul: x .* twice as wide"):
-        torch.ops.tinyllm.gelu_tanh_and_mul(torch.empty(5, 7, dtype=dtype), x)
 
 
 # ---- the named dummy config ----
