@@ -310,6 +310,22 @@ def test_gguf_config_is_the_checkpoints(family, gguf_family):
         assert getattr(from_gguf, field) == getattr(from_hf, field), field
 
 
+@pytest.mark.parametrize(
+    "arch,pattern,sliding",
+    [("gemma2", None, (0,)), ("gemma3", None, (0, 1)), ("gemma3", 2, (0,)),
+     ("gemma3", [False, True], (1,))],
+)  # fmt: skip
+def test_gguf_sliding_layers(arch, pattern, sliding, tmp_path):
+    """llama.cpp's pattern for each architecture (2 layers here: Gemma 3's 6th is past them),
+    or the file's own, a period or a flag per layer."""
+    metadata = {f"{arch}.attention.sliding_window": 4}
+    if pattern is not None:
+        metadata[f"{arch}.attention.sliding_window_pattern"] = pattern
+    path = write_gguf(tmp_path / "m.gguf", {}, arch, metadata=metadata)  # metadata only
+    config = gguf_config(open_gguf(path))
+    assert config.sliding_window == 4 and config.sliding_window_layers == sliding
+
+
 def test_gguf_matches_transformers(gguf_family):
     reference, fp32, _ = gguf_family
     model = load(fp32)
@@ -499,6 +515,17 @@ def test_gemma_chat_templates_render():
             "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n"
             "<start_of_turn>user\nWeather?<end_of_turn>\n<start_of_turn>model\n"
         ), name
+
+
+def test_gemma_2_refuses_tools_as_it_refuses_a_system_message():
+    """Gemma 2's template has no system turn, where the generic tool prompt puts the tools: the
+    request fails with the template's own message (the server's 400), as transformers' would."""
+    from tests.test_tool_prompt import TOOLS
+    from tinyllm.text.chat_template import ChatTemplateError
+
+    tok = _template_tokenizer((TEMPLATES / "google-gemma-2-2b-it.jinja").read_text())
+    with pytest.raises(ChatTemplateError, match="System role not supported"):
+        tok.encode_chat([{"role": "user", "content": "Weather?"}], tools=TOOLS)
 
 
 def test_gemma_3_tools_through_the_generic_tool_prompt():

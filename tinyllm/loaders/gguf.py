@@ -280,12 +280,12 @@ def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
 def _gemma_fields(reader: gguf.GGUFReader, arch: str, config: ModelConfig, window: int) -> None:
     """Gemma's own fields, as llama.cpp's converter stores (or llama.cpp assumes) them. Its norms
     are stored as 1 + w already: the model's multipliers."""
-    n = config.num_layers
-    pattern = _value(reader, f"{arch}.attention.sliding_window_pattern", GEMMA_SWA_PATTERN[arch])
-    field = reader.get_field(f"{arch}.attention.sliding_window_pattern")
+    n, key = config.num_layers, f"{arch}.attention.sliding_window_pattern"
+    field = reader.get_field(key)
     if field is not None and len(field.data) > 1:  # one flag per layer: whether it slides
         slides = [bool(field.parts[i][0]) for i in field.data]
-    else:
+    else:  # every pattern-th layer global, the rest sliding
+        pattern = _value(reader, key, GEMMA_SWA_PATTERN[arch])
         slides = [bool((i + 1) % pattern) for i in range(n)]
     if len(slides) != n or window <= 0:
         raise ModelLoadError(
