@@ -40,8 +40,9 @@ void check_residual(const char* op, const at::Tensor& residual, const char* name
 
 // residual += hidden (when given; the first layer has nothing to add; with hidden_norm, the
 // RMSNorm of hidden by it: the previous layer's post-feedforward norm), then o_proj(attention(
-// RMSNorm(residual))), returned; softcap: the kernel's soft-capping of scores (Gemma 2). weights: input_layernorm, qkv_proj, o_proj; a projection is a
-// dense weight or QuantLinear's packed records (cpu_ops.h linear). The K/V cache, the step's
+// RMSNorm(residual))), returned; softcap: the kernel's soft-capping of scores (Gemma 2).
+// weights: input_layernorm, qkv_proj, o_proj; a projection is a dense weight or QuantLinear's
+// packed records (cpu_ops.h linear). The K/V cache, the step's
 // metadata and the layer's sliding window (None: none) are what attention/cpu.py passes the same
 // kernel. The step's arguments come first, the layer's own (weights, sizes) last: the model
 // gathers those once.
