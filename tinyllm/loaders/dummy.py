@@ -101,7 +101,9 @@ def _linear_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
 def parameter_count(c: ModelConfig) -> int:
     """The model's parameters as its checkpoint counts them (a tied head once), from shapes."""
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    layer = sum(n * k for n, k in _linear_shapes(c).values()) + 2 * c.hidden_size
+    layer = (
+        sum(n * k for n, k in _linear_shapes(c).values()) + (2 + 2 * c.post_norms) * c.hidden_size
+    )
     layer += (q + 2 * kv) * c.attention_bias + 2 * c.head_dim * c.qk_norm
     embed = c.vocab_size * c.hidden_size
     return c.num_layers * layer + c.hidden_size + embed * (1 if c.tie_word_embeddings else 2)
@@ -191,7 +193,8 @@ def dummy_weights(
         p = f"model.layers.{i}."
         for name, (n, k) in _linear_shapes(c).items():
             weights[f"{p}{name}.weight"] = linear(n, k, layer_bits)
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        gemma = ("pre_feedforward_layernorm", "post_feedforward_layernorm") * c.post_norms
+        for norm in ("input_layernorm", "post_attention_layernorm", *gemma):
             weights[f"{p}{norm}.weight"] = ones(c.hidden_size)
         if c.attention_bias:
             q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
