@@ -72,7 +72,7 @@ def test_engine_flags_reach_the_llm(monkeypatch):
 
 
 def _result() -> OfflineResult:
-    machine = Machine("cpu", 2, "AVX2", gemm_flops=100e9, copy_bandwidth=20e9)
+    machine = Machine("cpu", 2, "AVX2", gemm_flops=100e9, read_bandwidth=20e9)
     runs = [Run("tinyllm", 4, 600, 200, 10.0), Run("transformers", 4, 600, 200, 25.0)]
     weights = "int4 weights, bfloat16 activations"
     return OfflineResult(

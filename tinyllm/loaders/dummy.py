@@ -109,7 +109,10 @@ def parameter_count(c: ModelConfig) -> int:
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     total = 0
     for i in range(c.num_layers):
-        total += sum(n * k for n, k in _linear_shapes(c, i).values()) + 2 * c.hidden_size
+        total += (
+            sum(n * k for n, k in _linear_shapes(c, i).values())
+            + (2 + 2 * c.post_norms) * c.hidden_size
+        )
         total += c.num_experts * c.hidden_size * c.is_moe_layer(i)  # the router
     norms = (q + kv) if c.qk_norm_all_heads else 2 * c.head_dim
     total += c.num_layers * ((q + 2 * kv) * c.attention_bias + norms * c.qk_norm)
@@ -204,7 +207,8 @@ def dummy_weights(
             weights[f"{p}{name}.weight"] = linear(n, k, layer_bits)
         if c.is_moe_layer(i):  # the router, never quantized
             weights[f"{p}mlp.gate.weight"] = rand.dense(c.num_experts, c.hidden_size)
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        gemma = ("pre_feedforward_layernorm", "post_feedforward_layernorm") * c.post_norms
+        for norm in ("input_layernorm", "post_attention_layernorm", *gemma):
             weights[f"{p}{norm}.weight"] = ones(c.hidden_size)
         if c.attention_bias:
             q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim

@@ -22,7 +22,13 @@ from tinyllm.model.config import (
 from tinyllm.model.quant import GroupQuantized
 
 # Mistral's and Mixtral's GGUFs say "llama" (Mixtral's with experts).
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "qwen3moe", "olmoe")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3moe", "olmoe")
+# Gemma's sliding layers, as llama.cpp has them: all but every n-th (Gemma 2: every other,
+# Gemma 3: 5 of 6), unless the file gives {arch}.attention.sliding_window_pattern.
+GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+# llama.cpp's 27B sizes of each (by block count), whose attention scale is hidden / heads, not
+# head_dim: query_pre_attn_scalar, which the file does not store.
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # The model's architecture of a GGUF one with experts, and whether the family renormalises its
 # top-k router weights (llama.cpp's choice for each; a file's expert_weights_norm overrides it).
 MOE_ARCHITECTURES = {
@@ -275,7 +281,37 @@ def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
         serve_within_window(config, window)
     elif arch == "llama" and 0 < window < config.max_position_embeddings:
         config.sliding_window = window
+    if arch in GEMMA_SWA_PATTERN:
+        _gemma_fields(reader, arch, config, window)
     return config
+
+
+def _gemma_fields(reader: gguf.GGUFReader, arch: str, config: ModelConfig, window: int) -> None:
+    """Gemma's own fields, as llama.cpp's converter stores (or llama.cpp assumes) them. Its norms
+    are stored as 1 + w already: the model's multipliers."""
+    n, key = config.num_layers, f"{arch}.attention.sliding_window_pattern"
+    field = reader.get_field(key)
+    if field is not None and len(field.data) > 1:  # one flag per layer: whether it slides
+        slides = [bool(field.parts[i][0]) for i in field.data]
+    else:  # every pattern-th layer global, the rest sliding
+        pattern = _value(reader, key, GEMMA_SWA_PATTERN[arch])
+        slides = [bool((i + 1) % pattern) for i in range(n)]
+    if len(slides) != n or window <= 0:
+        raise ModelLoadError(
+            f"{_where(reader)}: {arch} needs attention.sliding_window and one sliding flag per "
+            f"layer ({n})"
+        )
+    config.sliding_window = window
+    config.sliding_window_layers = tuple(i for i in range(n) if slides[i])
+    config.hidden_act = "gelu_pytorch_tanh"
+    config.embedding_scale = config.hidden_size**0.5
+    config.post_norms = True
+    config.attn_logit_softcapping = _value(reader, f"{arch}.attn_logit_softcapping")
+    config.final_logit_softcapping = _value(reader, f"{arch}.final_logit_softcapping")
+    big = n == GEMMA_27B_LAYERS[arch]
+    config.query_pre_attn_scalar = config.hidden_size / config.num_heads if big else config.head_dim
+    if arch == "gemma3":
+        config.rope_local_theta = float(_value(reader, f"{arch}.rope.freq_base_swa", 10000.0))
 
 
 def _experts(reader: gguf.GGUFReader, arch: str, names: set[str]) -> dict:
@@ -315,6 +351,10 @@ def _tensor_names(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]
         "ffn_norm.weight": ("post_attention_layernorm.weight", (h,)),
         "ffn_down.weight": ("mlp.down_proj.weight", (h, ffn)),
     }
+    if config.post_norms:  # Gemma's sandwich: its ffn_norm is the norm before the MLP
+        layer["post_attention_norm.weight"] = ("post_attention_layernorm.weight", (h,))
+        layer["ffn_norm.weight"] = ("pre_feedforward_layernorm.weight", (h,))
+        layer["post_ffw_norm.weight"] = ("post_feedforward_layernorm.weight", (h,))
     if config.architecture == "phi3":  # stacked as in the HF checkpoint: q|k|v and gate|up
         layer["attn_qkv.weight"] = ("self_attn.qkv_proj.weight", (q + 2 * kv, h))
         layer["ffn_up.weight"] = ("mlp.gate_up_proj.weight", (2 * ffn, h))

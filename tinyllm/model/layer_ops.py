@@ -1,5 +1,6 @@
 """A decoder layer's element-wise steps: RMSNorm (with the residual add before it), rotary
-embedding and SiLU-and-multiply; and a mixture-of-experts layer's experts (moe_experts).
+embedding, and SiLU- or tanh-GELU-and-multiply (SwiGLU's and Gemma's GeGLU's activations);
+and a mixture-of-experts layer's experts (moe_experts).
 
 On the CPU each is one C++ op (layer_ops.cpp) where tinyllm's CPU library builds; elsewhere, and
 as the tests' oracle, the same steps in torch. Both compute in fp32 and give the tensor's dtype.
@@ -74,6 +75,21 @@ def silu_and_mul(x: Tensor) -> Tensor:
 def silu_and_mul_torch(x: Tensor) -> Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: Tensor) -> Tensor:
+    """gelu_tanh(gate) * up for x = [gate | up] (N, 2F): Gemma's GeGLU, GELU's tanh approximation
+    (transformers' gelu_pytorch_tanh)."""
+    if native(x) and x.is_contiguous():
+        out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+        torch.ops.tinyllm.gelu_tanh_and_mul(out, x)
+        return out
+    return gelu_tanh_and_mul_torch(x)
+
+
+def gelu_tanh_and_mul_torch(x: Tensor) -> Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 @functools.cache

@@ -56,14 +56,20 @@ def _longrope_inv_freq(inv_freq: Tensor, scaling: dict, context: int) -> Tensor:
 class Rope:
     """Rotary embedding tables: cos and sin of each position's angles, (positions, rotary dims /
     2) in fp32, for layer_ops.rotary. `context`: the longest sequence served (max_model_len;
-    None: the model's context), which picks LongRoPE's factors."""
+    None: the model's context), which picks LongRoPE's factors. `local`: the sliding layers'
+    own tables (Gemma 3): config.rope_local_theta's base, unscaled."""
 
     def __init__(
-        self, config: ModelConfig, device: torch.device | str = "cpu", context: int | None = None
+        self,
+        config: ModelConfig,
+        device: torch.device | str = "cpu",
+        context: int | None = None,
+        local: bool = False,
     ):
         d = config.rotary_dim or config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-        scaling = config.rope_scaling or {}
+        theta = config.rope_local_theta if local else config.rope_theta
+        inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        scaling = {} if local else config.rope_scaling or {}
         kind = scaling.get("rope_type", scaling.get("type"))
         # LongRoPE scales q and k by a factor each, so attention logits by its square.
         attention_factor = scaling.get("attention_factor", 1.0)
@@ -85,14 +91,16 @@ class Rope:
 
 
 class Attention(nn.Module):
-    """Self-attention of layer `layer`: qkv_proj, Qwen3's per-head q/k norms where the config has
-    them, rotary, the backend's attention over the layer's paged K/V cache, o_proj."""
+    """Self-attention of layer `layer`: qkv_proj, Qwen3's (and Gemma 3's) per-head q/k norms where
+    the config has them, rotary, the backend's attention over the layer's paged K/V cache (Gemma
+    2's scores soft-capped), o_proj."""
 
     def __init__(self, c: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
         self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.scale = c.head_dim**-0.5
+        self.scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
+        self.softcap = c.attn_logit_softcapping
         self.window = c.layer_window(layer)  # its sliding window; None: the whole context
         # q, k and v as one matrix product (fuse_projections stacks Hugging Face's three).
         width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
@@ -117,21 +125,26 @@ class Attention(nn.Module):
                 x.copy_(norm(x.reshape(-1, norm.weight.numel()).contiguous()).view_as(x))
         layer_ops.rotary(qkv, positions, rope.cos, rope.sin, H + KV, D)
         k_cache, v_cache = ctx.kv_caches[self.layer]
-        out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale, self.window)
+        out = ctx.backend.forward(
+            q, k, v, k_cache, v_cache, ctx.meta, self.scale, self.window, self.softcap
+        )
         return self.o_proj(out.reshape(N, -1))
 
 
 class MLP(nn.Module):
-    """The gated MLP: down_proj(silu(gate_proj(x)) * up_proj(x)), gate and up as one product."""
+    """The gated MLP: down_proj(act(gate_proj(x)) * up_proj(x)), gate and up as one product; act
+    is SiLU (SwiGLU) or GELU's tanh approximation (Gemma's GeGLU)."""
 
     def __init__(self, c: ModelConfig):
         super().__init__()
+        gelu = c.hidden_act == "gelu_pytorch_tanh"
+        self.act_and_mul = layer_ops.gelu_tanh_and_mul if gelu else layer_ops.silu_and_mul
         # gate and up as one matrix product (fuse_projections stacks them).
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(layer_ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 def op_weight(linear: nn.Module) -> Tensor:

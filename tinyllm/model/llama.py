@@ -48,6 +48,10 @@ class AttentionArgs(NamedTuple):
     eps: float
     scale: float
     window: int | None  # the layer's sliding window; None: the whole context
+    # Gemma (model/gemma.py): the previous layer's post-feedforward norm, applied to `hidden`
+    # before its add; Gemma 2's attention-logit soft-capping.
+    hidden_norm: Tensor | None = None
+    softcap: float | None = None
 
 
 class MLPArgs(NamedTuple):
@@ -56,6 +60,8 @@ class MLPArgs(NamedTuple):
     weights: list[Tensor]  # post_attention_layernorm, gate_up_proj, down_proj
     intermediate: int
     eps: float
+    o_norm: Tensor | None = None  # Gemma's post-attention norm, applied to `o` before its add
+    activation: str = "silu"  # or "gelu_tanh" (Gemma's GeGLU)
 
 
 class DecoderLayer(nn.Module):

@@ -319,7 +319,7 @@ def run_bench(args: argparse.Namespace) -> None:
         args.workload, model_config.vocab_size, args.seed, args.num_requests, llm.tokenizer
     )
     conversations = [requests[i : i + turns] for i in range(0, len(requests), turns)]
-    _phase(f"measuring the machine: fp32 GEMM rate and copy bandwidth ({device.type})")
+    _phase(f"measuring the machine: fp32 GEMM rate and read bandwidth ({device.type})")
     machine = measure_machine(device)
 
     def run(
