@@ -498,6 +498,8 @@ def test_a_moe_shape_too_big_for_memory_is_refused_first(monkeypatch):
     monkeypatch.setattr(dummy, "available_bytes", lambda device: 30 * 2**30)
     with pytest.raises(ModelLoadError, match=r"46\.70B parameters in int4 need about 38\.\d GiB"):
         dummy.load_dummy("mixtral-8x7b", "int4", torch.float32)
+    with pytest.raises(ModelLoadError, match=r"available; use a smaller config$"):
+        dummy.load_dummy("mixtral-8x7b", "int4", torch.float32)
 
 
 @pytest.mark.skipif(not has_op("decoder_moe"), reason="this build has no decoder_moe op")

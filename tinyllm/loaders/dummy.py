@@ -131,10 +131,14 @@ def _check_memory(c: ModelConfig, quantization: str, dtype: torch.dtype) -> None
         what = quantization
     free = available_bytes(torch.device("cpu"))
     if free is not None and need > free:
+        smaller = (
+            "a smaller config"
+            if quantization == "int4"
+            else "quantization int4 or a smaller config"
+        )
         raise ModelLoadError(
             f"dummy weights of {params / 1e9:.2f}B parameters in {what} need about "
-            f"{need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB available; "
-            "use quantization int4 or a smaller config"
+            f"{need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB available; use {smaller}"
         )
 
 
