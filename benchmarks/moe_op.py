@@ -6,11 +6,12 @@ scales, packed as model/quant.py packs them: 377 MB for the layer's experts).
 Grouped, a step reads each active expert's weights once however many of its tokens chose it;
 the loop reads them once per token that chose them. Each repetition routes the tokens afresh
 (top 8 of a softmax over random logits, renormalised: every expert equally likely, where a
-trained router favours some, so reuse is at its lowest in expectation), and reads a buffer larger than the caches before each timed
-call, so the experts' weights come from memory, as a model's 48 such layers' would. Printed
+trained router favours some, so reuse is at its lowest in expectation), and reads a buffer
+larger than the caches before each timed call, so the experts' weights come from memory, as a
+model's 48 such layers' would. Printed
 per step size: active experts, expert reuse (slots per active expert), milliseconds for the
 grouped op and for the loop (best of --reps), their ratio, and the grouped op's best rate over
-the active experts' weight bytes, against the copy bandwidth measured in the same run.
+the active experts' weight bytes, against the read bandwidth measured in the same run.
 
 Run: python benchmarks/moe_op.py [--tokens 1 4 16 64] [--reps 5] [--threads 2]
 """
@@ -21,7 +22,7 @@ from functools import partial
 
 import torch
 
-from tinyllm.entrypoints.bench.machine import copy_bandwidth
+from tinyllm.entrypoints.bench.machine import read_bandwidth
 from tinyllm.model.cpu_library import library_error
 from tinyllm.model.quant import GROUP, GroupQuantized, pack
 
@@ -75,12 +76,12 @@ def main() -> None:
     down = [random_int4(HIDDEN, INTERMEDIATE, gen) for _ in range(EXPERTS)]
     expert_bytes = gate_up[0].numel() + down[0].numel()
     flush = torch.ones(1 << 28)  # 1 GiB: more than any cache
-    bandwidth = copy_bandwidth(torch.device("cpu"))
+    bandwidth = read_bandwidth(torch.device("cpu"))
     print(
-        f"threads {torch.get_num_threads()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s, "
+        f"threads {torch.get_num_threads()}, read bandwidth {bandwidth / 1e9:.1f} GB/s, "
         f"{expert_bytes / 1e6:.2f} MB an expert, {EXPERTS * expert_bytes / 1e6:.0f} MB the layer"
     )
-    print("tokens  active  reuse  grouped ms  loop ms  loop/grouped  grouped GB/s (% of copy)")
+    print("tokens  active  reuse  grouped ms  loop ms  loop/grouped  grouped GB/s (% of read)")
     for tokens in args.tokens:
         x = torch.randn(tokens, HIDDEN, generator=gen)
         best_grouped = best_loop = float("inf")
