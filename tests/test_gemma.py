@@ -517,15 +517,81 @@ def test_gemma_chat_templates_render():
         ), name
 
 
-def test_gemma_2_refuses_tools_as_it_refuses_a_system_message():
-    """Gemma 2's template has no system turn, where the generic tool prompt puts the tools: the
-    request fails with the template's own message (the server's 400), as transformers' would."""
-    from tests.test_tool_prompt import TOOLS
-    from tinyllm.text.chat_template import ChatTemplateError
+def test_gemma_2_gets_the_system_text_in_the_first_user_turn():
+    """Gemma 2's template has no system turn (it raises on one): the system message's text, and
+    the generic tool prompt's, go at the head of the first user turn, a blank line apart; the
+    prompt is the one Gemma 3's template, which folds the system message itself, writes."""
+    from tests.test_tool_prompt import EXCHANGE, TOOLS
 
-    tok = _template_tokenizer((TEMPLATES / "google-gemma-2-2b-it.jinja").read_text())
-    with pytest.raises(ChatTemplateError, match="System role not supported"):
-        tok.encode_chat([{"role": "user", "content": "Weather?"}], tools=TOOLS)
+    gemma2, gemma3 = (
+        _template_tokenizer((TEMPLATES / name).read_text())
+        for name in ("google-gemma-2-2b-it.jinja", "google-gemma-3-4b-it.jinja")
+    )
+    system = {"role": "system", "content": "Be brief."}
+    asks = [system, {"role": "user", "content": "Weather?"}]
+    text, _ = gemma2.encode_chat(asks)
+    assert text == (
+        "<bos><start_of_turn>user\nBe brief.\n\nWeather?<end_of_turn>\n<start_of_turn>model\n"
+    )
+    for messages in (asks, [system, *EXCHANGE], EXCHANGE):
+        for tools in (None, TOOLS):
+            text, _ = gemma2.encode_chat(messages, tools=tools)
+            assert text == gemma3.encode_chat(messages, tools=tools)[0]
+    text, _ = gemma2.encode_chat([system, *EXCHANGE], tools=TOOLS)
+    assert text.startswith("<bos><start_of_turn>user\nBe brief.\n\n# Tools\n")
+    first_turn = text[: text.index("<end_of_turn>")]
+    assert json.dumps(TOOLS[0]) in first_turn and first_turn.endswith("\n\nWeather in Paris?")
+
+
+def test_a_template_with_a_system_turn_is_rendered_as_sent():
+    """Where the template renders a system message, the conversation reaches it unchanged: the
+    prompt is the template's own rendering of the messages."""
+    from tinyllm.text.chat_template import render_chat_template
+
+    template = (TEMPLATES / "meta-llama-Llama-3.3-70B-Instruct.jinja").read_text()
+    tok = _template_tokenizer(template)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    expected = render_chat_template(template, messages, True, "<bos>", "<eos>")
+    assert tok.encode_chat(messages)[0] == expected
+    assert "<|start_header_id|>system<|end_header_id|>" in expected
+
+
+def test_gemma_2_tool_call_through_llm_chat(tmp_path):
+    """A tiny random Gemma 2 checkpoint with its real chat template and the default model's
+    tokenizer: a request with a system message and tools renders (no 400), the tools are in the
+    first user turn, and the call the grammar makes parses back from the generic format."""
+    from tests.test_llm_tools import TOOLS
+    from tinyllm import LLM, SamplingParams
+    from tinyllm.loaders.source import default_model_path
+
+    backend = Tokenizer.from_gguf(gguf.GGUFReader(default_model_path())).backend
+    backend.save(str(tmp_path / "tokenizer.json"))
+    specials = {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "add_bos_token": False}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(specials))
+    template = (TEMPLATES / "google-gemma-2-2b-it.jinja").read_text()
+    (tmp_path / "chat_template.jinja").write_text(template)
+    ids = {k: backend.token_to_id(v) for k, v in specials.items() if k != "add_bos_token"}
+    random_gemma(
+        "gemma2",
+        vocab_size=backend.get_vocab_size(),
+        max_position_embeddings=1024,
+        bos_token_id=ids["bos_token"],
+        eos_token_id=ids["eos_token"],
+    ).save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), "float32", quantization="none", max_model_len=1024)
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "What is the weather in Rome?"}]  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=48)
+    (out,) = llm.chat(messages, params, use_tqdm=False, tools=TOOLS, tool_choice="required")
+    assert out.prompt.startswith("<|endoftext|><start_of_turn>user\nBe brief.\n\n# Tools\n")
+    first_turn = out.prompt[: out.prompt.index("<end_of_turn>")]
+    assert json.dumps(TOOLS[0]) in first_turn
+    assert first_turn.endswith("</tool_call>\n\nWhat is the weather in Rome?")
+    completion = out.outputs[0]
+    assert completion.text.startswith("<tool_call>\n") and completion.finish_reason == "stop"
+    (call,) = completion.tool_calls
+    assert call.name == "get_weather" and call.complete
+    assert isinstance(json.loads(call.arguments)["city"], str)
 
 
 def test_gemma_3_tools_through_the_generic_tool_prompt():

@@ -43,6 +43,46 @@ def render_chat_template(
 
 
 @lru_cache(maxsize=32)
+def takes_system_message(template: str) -> bool:
+    """Whether the template renders a leading system message. Gemma 2's raises on one, and one
+    that drops it would lose its text; one probe render per template (cached)."""
+    user = {"role": "user", "content": "Hi"}
+    try:
+        system = {"role": "system", "content": _PROBE}
+        return _PROBE in render_chat_template(template, [system, user], True, "", "")
+    except ChatTemplateError:
+        pass
+    try:
+        render_chat_template(template, [user], True, "", "")
+    except ChatTemplateError:
+        return True  # it refuses a plain conversation too: nothing learnt, render as sent
+    return False
+
+
+def fold_system_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A leading system message's text put at the head of the first user message, a blank line
+    apart (a user message of its own if none follows), as Gemma 3's template does itself and
+    llama.cpp does for templates without a system role."""
+    if not messages or messages[0].get("role") != "system":
+        return messages
+    system, rest = _text(messages[0].get("content")), messages[1:]
+    if rest and rest[0].get("role") == "user":
+        user = _text(rest[0].get("content"))
+        return [{**rest[0], "content": f"{system}\n\n{user}" if user else system}, *rest[1:]]
+    return [{"role": "user", "content": system}, *rest]
+
+
+_PROBE = "tinyllm-system-probe"
+
+
+def _text(content: Any) -> str:
+    """A message's content as text: a string, or the text parts of a list of parts."""
+    if isinstance(content, list):
+        return "".join(p.get("text") or "" for p in content if p.get("type") == "text")
+    return content or ""
+
+
+@lru_cache(maxsize=32)
 def _compile(template: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]

@@ -9,7 +9,11 @@ import gguf
 import tokenizers
 
 from tinyllm.model.config import ModelLoadError
-from tinyllm.text.chat_template import render_chat_template
+from tinyllm.text.chat_template import (
+    fold_system_message,
+    render_chat_template,
+    takes_system_message,
+)
 from tinyllm.text.gguf_tokenizer import field, tokenizer_from_gguf
 from tinyllm.text.tool_formats import GENERIC, ToolFormat
 from tinyllm.text.tool_prompt import template_inputs
@@ -176,7 +180,8 @@ class Tokenizer:
         conversation becomes a prompt (the Python API, the CLI and the server all call it).
         `tools` (OpenAI's tool objects) go to a template that reads them, else into the system
         message in tinyllm's generic format (tinyllm.text.tool_prompt), calls written in
-        `tool_format`. `template_kwargs`: more
+        `tool_format`. A template without a system role (Gemma 2's) gets the system message's
+        text at the head of the first user message. `template_kwargs`: more
         variables for the template (Qwen3's `enable_thinking`); ValueError naming one that
         would replace what the template is given (messages, tools, the special tokens)."""
         if not messages:
@@ -184,6 +189,8 @@ class Tokenizer:
         extra: dict[str, Any] = {}
         if self.chat_template is not None:
             messages, extra = template_inputs(messages, tools, self.chat_template, tool_format)
+            if not takes_system_message(self.chat_template):
+                messages = fold_system_message(messages)
         kwargs = template_kwargs or {}
         self.check_template_kwargs(kwargs)
         text = self.apply_chat_template(messages, add_generation_prompt, **extra, **kwargs)
