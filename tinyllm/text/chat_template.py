@@ -42,10 +42,13 @@ def render_chat_template(
         raise ChatTemplateError(f"chat template failed: {e}") from e
 
 
+_PROBE = "tinyllm-system-probe"
+
+
 @lru_cache(maxsize=32)
 def takes_system_message(template: str) -> bool:
     """Whether the template renders a leading system message. Gemma 2's raises on one, and one
-    that drops it would lose its text; one probe render per template (cached)."""
+    that drops it would lose its text; probed once per template (cached), not per request."""
     user = {"role": "user", "content": "Hi"}
     try:
         system = {"role": "system", "content": _PROBE}
@@ -67,12 +70,9 @@ def fold_system_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return messages
     system, rest = _text(messages[0].get("content")), messages[1:]
     if rest and rest[0].get("role") == "user":
-        user = _text(rest[0].get("content"))
-        return [{**rest[0], "content": f"{system}\n\n{user}" if user else system}, *rest[1:]]
+        text = "\n\n".join(t for t in (system, _text(rest[0].get("content"))) if t)
+        return [{**rest[0], "content": text}, *rest[1:]]
     return [{"role": "user", "content": system}, *rest]
-
-
-_PROBE = "tinyllm-system-probe"
 
 
 def _text(content: Any) -> str:
