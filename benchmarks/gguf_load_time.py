@@ -64,7 +64,7 @@ def add_byte_tokenizer(writer: gguf.GGUFWriter, vocab_size: int) -> None:
     space = chr(256 + 32)  # GPT-2 spells the byte 32 (space) as "Ġ"
     tokens = symbols + [space + "t"]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
+    writer.add_tokenizer_pre("default")  # GPT-2's split, a name tinyllm and llama.cpp both know
     writer.add_token_list(tokens + [f"<t{i}>" for i in range(vocab_size - len(tokens))])
     writer.add_token_merges([f"{space} t"])
     writer.add_eos_token_id(vocab_size - 1)
