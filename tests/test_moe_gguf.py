@@ -115,6 +115,8 @@ def test_values_and_tokenizer(tmp_path):
     tokens = _value(reader, "tokenizer.ggml.tokens")
     assert len(tokens) == 320 and len(set(tokens)) == 320
     assert _value(reader, "tokenizer.ggml.merges") == ["Ġ t"] and "Ġt" in tokens
+    # llama.cpp refuses a pre-tokenizer name it does not know ("gpt2": it says "gpt-2")
+    assert _value(reader, "tokenizer.ggml.pre") == "default"
     assert _value(reader, "tokenizer.ggml.eos_token_id") == 319
 
 
