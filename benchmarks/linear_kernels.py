@@ -13,7 +13,7 @@ last layer's cache. Formats:
                      of 32, bf16 activations (it is 10-60x slower with fp32); LM head dense bf16
 
 Printed per row count: milliseconds for the 211 layers (best of `--reps`, formats taking
-turns), and at one row the weight bytes read over the time, against the copy bandwidth measured
+turns), and at one row the weight bytes read over the time, against the read bandwidth measured
 in the same run.
 
 Run: python benchmarks/linear_kernels.py [--rows 1 4 16 64 256] [--threads 2]
@@ -24,7 +24,7 @@ import argparse
 import torch
 from torch import nn
 
-from tinyllm.entrypoints.bench.machine import best_seconds, copy_bandwidth
+from tinyllm.entrypoints.bench.machine import best_seconds, read_bandwidth
 from tinyllm.model.quant import GROUP, QuantLinear, int4_groups, int8_groups
 
 HIDDEN, FFN, KV, VOCAB, LAYERS = 576, 1536, 192, 49152, 30
@@ -85,8 +85,8 @@ def main() -> None:
     formats = ["fp32", "bf16", "int8/fp32", "int4/fp32", "int4/bf16", "torch-int4/bf16"]
     gen = torch.Generator().manual_seed(0)
     models = {f: build(f, gen) for f in formats}
-    bandwidth = copy_bandwidth(torch.device("cpu"))
-    print(f"threads {torch.get_num_threads()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    bandwidth = read_bandwidth(torch.device("cpu"))
+    print(f"threads {torch.get_num_threads()}, read bandwidth {bandwidth / 1e9:.1f} GB/s")
     print("weights MB: " + ", ".join(f"{f} {weight_bytes(m) / 1e6:.0f}" for f, m in models.items()))
     print("rows  " + "".join(f"{f:>16}" for f in formats) + "   (ms for the 211 layers)")
     for rows in args.rows:
@@ -102,7 +102,7 @@ def main() -> None:
         print(f"{rows:>4}  " + "".join(f"{best[f] * 1e3:>16.1f}" for f in formats))
         if rows == 1:
             share = [weight_bytes(models[f]) / best[f] / bandwidth for f in formats]
-            print("      " + "".join(f"{s:>15.0%} " for s in share) + "  of copy bandwidth")
+            print("      " + "".join(f"{s:>15.0%} " for s in share) + "  of read bandwidth")
 
 
 if __name__ == "__main__":

@@ -58,16 +58,22 @@ def checkpoint_weights(model: Transformer, split: bool = True) -> dict[str, Tens
 
 
 def prompt_logits(
-    model: Transformer, prompts: list[list[int]], block_size: int = 4, backend: str = "auto"
+    model: Transformer,
+    prompts: list[list[int]],
+    block_size: int = 4,
+    backend: str = "auto",
+    executor: str = "auto",
 ):
     """Each prompt's logits at every position, (len, vocab), all prompts in one flat batch,
-    with the attention backend an engine would use (on the CPU, whole layers as C++ ops)."""
+    with the attention backend an engine would use (on the CPU, whole layers as C++ ops), the
+    layers run by `executor` (model/layer_executor.py)."""
     kv = KVCacheManager(sum(math.ceil(len(p) / block_size) for p in prompts), block_size)
     runner = ModelRunner(
         model,
         kv.num_blocks,
         block_size,
         get_backend(backend, model.device, model.config.sliding_window),
+        layer_executor=executor,
     )
     requests = [
         Request(str(i), p, SamplingParams(max_tokens=1), 1, [], seed=0)

@@ -15,7 +15,7 @@ from tinyllm.entrypoints import llm as llm_module
 from tinyllm.entrypoints.args import build_llm
 from tinyllm.entrypoints.bench.args import add_bench_args
 from tinyllm.entrypoints.bench.machine import Machine
-from tinyllm.entrypoints.bench.offline import weight_bytes_per_token
+from tinyllm.entrypoints.bench.offline import weight_bytes_per_token, workload_flops
 from tinyllm.entrypoints.bench.report import (
     PLOT_DPI,
     PLOT_SIZE,
@@ -25,8 +25,10 @@ from tinyllm.entrypoints.bench.report import (
     summary,
     to_json,
 )
-from tinyllm.entrypoints.workloads import WORKLOADS, Workload, make_requests
+from tinyllm.entrypoints.workloads import WORKLOADS, Request, Workload, make_requests
 from tinyllm.host.threads import default_threads
+from tinyllm.model.config import ModelConfig
+from tinyllm.model.families import build_model
 from tinyllm.model.precision import resolve_dtype
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -72,7 +74,7 @@ def test_engine_flags_reach_the_llm(monkeypatch):
 
 
 def _result() -> OfflineResult:
-    machine = Machine("cpu", 2, "AVX2", gemm_flops=100e9, copy_bandwidth=20e9)
+    machine = Machine("cpu", 2, "AVX2", gemm_flops=100e9, read_bandwidth=20e9)
     runs = [Run("tinyllm", 4, 600, 200, 10.0), Run("transformers", 4, 600, 200, 25.0)]
     weights = "int4 weights, bfloat16 activations"
     return OfflineResult(
@@ -100,6 +102,29 @@ def test_weight_bytes_per_token_counts_weights_as_stored(tiny):
     table = model.model.embed_tokens.weight.numel() * 4
     assert model.config.tie_word_embeddings is False
     assert weight_bytes_per_token(model) == dense - table  # the table is read a row a token
+
+
+def _qwen3_moe(**sizes) -> ModelConfig:
+    dims = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4)
+    return ModelConfig("qwen3_moe", **dims, num_kv_heads=2, head_dim=8,
+                       max_position_embeddings=64, **sizes)  # fmt: skip
+
+
+def test_a_mixture_of_experts_step_reads_and_computes_only_its_tokens_experts():
+    """Of 8 experts a token runs 2: a decode step reads a quarter of the experts' bytes, and
+    each token costs the FLOPs of 2 experts and the router, not of 8."""
+    moe = _qwen3_moe(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
+    with torch.device("meta"):
+        model = build_model(moe)
+    expert_bytes = 2 * 8 * 3 * 32 * 16 * 4  # layers x experts x (gate, up, down) x fp32
+    others = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." not in n)
+    table = 64 * 32 * 4
+    assert weight_bytes_per_token(model) == others - table + expert_bytes // 4
+    requests = [Request([1] * 10, 5)]
+    # The same model with one dense MLP of the two experts' width in place of the experts.
+    dense = dataclasses.replace(moe, num_experts=0, num_experts_per_tok=0, intermediate_size=32)
+    router = 2 * 2 * 32 * 8 * (10 + 5 - 1)  # 2 FLOPs x layers x router weights x tokens
+    assert workload_flops(moe, requests) == workload_flops(dense, requests) + router
 
 
 def test_json_has_the_rates_and_their_ratio():

@@ -74,7 +74,7 @@ def test_quant_linear_refuses(x, packed, n, bits, message):
         ops.quant_linear(x, packed, n, bits)
 
 
-# rms_norm, rotary, silu_and_mul
+# rms_norm, rotary, silu_and_mul, gelu_tanh_and_mul
 
 
 @pytest.mark.parametrize("shape", [(0, 64), (3, 0), (0, 0)])
@@ -143,12 +143,16 @@ def test_rotary_refuses(qkv, positions, sin, heads, head_dim, message):
         ops.rotary(qkv, positions, COS, sin, heads, head_dim)
 
 
+ACT_AND_MUL = ["silu_and_mul", "gelu_tanh_and_mul"]
+
+
+@pytest.mark.parametrize("op", ACT_AND_MUL)
 @pytest.mark.parametrize("rows,features", [(0, 80), (4, 0), (0, 0)])
-def test_silu_and_mul_of_nothing_is_empty(rows, features):
+def test_act_and_mul_of_nothing_is_empty(rows, features, op):
     x = torch.randn(rows, 2 * features)
-    out = layer_ops.silu_and_mul(x)
+    out = getattr(layer_ops, op)(x)
     assert out.shape == (rows, features)
-    assert torch.equal(out, layer_ops.silu_and_mul_torch(x))
+    assert torch.equal(out, getattr(layer_ops, f"{op}_torch")(x))
 
 
 @pytest.mark.parametrize(
@@ -161,9 +165,10 @@ def test_silu_and_mul_of_nothing_is_empty(rows, features):
     ],
     ids=["rows", "width", "scalar", "dtype"],
 )
-def test_silu_and_mul_refuses(out, x, message):
-    with pytest.raises(RuntimeError, match="silu_and_mul: " + message):
-        ops.silu_and_mul(out, x)
+@pytest.mark.parametrize("op", ACT_AND_MUL)
+def test_act_and_mul_refuses(out, x, message, op):
+    with pytest.raises(RuntimeError, match=f"{op}: " + message):
+        getattr(ops, op)(out, x)
 
 
 # paged_attention
@@ -292,8 +297,9 @@ def layer_args(model, tokens: int) -> tuple[dict, dict]:
     """decoder_attention's and decoder_mlp's arguments for a step of `tokens` new tokens of one
     row, all in the caches' block 0 onwards."""
     layer, c = model.model.layers[0], model.config
-    weights, bias, q_norm, k_norm, heads, kv_heads, eps, scale, window = layer.attention_args
-    mlp_weights, inter, _ = layer.mlp_args
+    # The Llama layer's arguments; Gemma's after them keep their defaults.
+    weights, bias, q_norm, k_norm, heads, kv_heads, eps, scale, window = layer.attention_args[:9]
+    mlp_weights, inter, _ = layer.mlp_args[:3]
     blocks = max(1, -(-tokens // BLOCK))
     rows = 1 if tokens else 0
     gen = torch.Generator().manual_seed(tokens)
@@ -353,8 +359,10 @@ def test_a_layer_over_no_tokens_changes_nothing(model):
         ),
         (dict(positions=torch.arange(4)), r"rotary: positions \[4\] must be \[5\]"),
         (dict(qkv_bias=torch.zeros(7)), r"linear: bias \[7\] must be \[128\], one per output"),
+        (dict(hidden_norm=torch.ones(7)), r"rms_norm: weight \[7\] must be \[64\]"),
+        (dict(softcap=0.0), "paged_attention: softcap 0 must be > 0"),
     ],
-    ids=["heads", "cache", "residual", "hidden", "positions", "bias"],
+    ids=["heads", "cache", "residual", "hidden", "positions", "bias", "hidden_norm", "softcap"],
 )
 def test_attention_half_refuses(model, change, message):
     attention, _ = layer_args(model, 5)
@@ -369,8 +377,10 @@ def test_attention_half_refuses(model, change, message):
         (dict(intermediate=96), "(linear: dense weight|quant_linear: packed weights)"),
         (dict(residual=torch.zeros(5, 64).T), r"decoder_mlp: residual \[64, 5\] must be"),
         (dict(o=torch.zeros(4, 64)), r"decoder_mlp: o \[4, 64\] must be residual's \[5, 64\]"),
+        (dict(o_norm=torch.ones(7)), r"rms_norm: weight \[7\] must be \[64\]"),
+        (dict(activation="relu"), "decoder_mlp: activation 'relu' must be 'silu' or 'gelu_tanh'"),
     ],
-    ids=["zero", "intermediate", "residual", "o"],
+    ids=["zero", "intermediate", "residual", "o", "o_norm", "activation"],
 )
 def test_mlp_half_refuses(model, change, message):
     _, mlp = layer_args(model, 5)

@@ -2,8 +2,9 @@
 DecoderLayer.forward) against the model's own modules (the "modules" executor) on the same
 kernels, over engine-like steps: prefills, a prompt in two chunks, decodes after them, in each
 weight format and dtype and for each family's layer (Qwen2's q/k/v bias, Qwen3's per-head q/k
-norms, Mistral's sliding window). test_hf_loader compares both paths with transformers on whole
-prompts; test_layer_executor tests the choice between them."""
+norms, Mistral's sliding window, Gemma's post-norms, GeGLU and soft-capping). test_hf_loader
+compares both paths with transformers on whole prompts; test_layer_executor tests the choice
+between them."""
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from tinyllm.engine.worker.model_runner import ModelRunner
 from tinyllm.model import llama
 from tinyllm.model.attention import get_backend
 from tinyllm.model.config import ModelConfig
+from tinyllm.model.families import build_model
 from tinyllm.model.layers import fuse_projections
 from tinyllm.model.quant import quantize_linears
 
@@ -25,20 +27,30 @@ FAMILIES = {
     "qwen2": {"attention_bias": True},
     "qwen3": {"qk_norm": True},
     "mistral": {"sliding_window": 3},  # shorter than PROMPTS: the window's keys in the kernel
-}
+    "gemma2": {
+        "sliding_window": 3, "sliding_window_layers": (0,), "hidden_act": "gelu_pytorch_tanh",
+        "embedding_scale": 8.0, "post_norms": True, "attn_logit_softcapping": 1.0,
+        "query_pre_attn_scalar": 24,
+    },
+    "gemma3": {
+        "sliding_window": 3, "sliding_window_layers": (0,), "hidden_act": "gelu_pytorch_tanh",
+        "embedding_scale": 8.0, "post_norms": True, "qk_norm": True, "rope_local_theta": 1e4,
+        "rope_theta": 1e6,
+    },
+}  # fmt: skip
 
 
 def _model(family: str, quantization: str, dtype: torch.dtype) -> llama.Transformer:
     # intermediate 80: down_proj's inputs end in a partial block of 32 when quantized.
     cfg = ModelConfig(family, VOCAB, 64, 80, 2, 4, 2, 16, 64, **FAMILIES[family])
     torch.manual_seed(0)
-    model = llama.Transformer(cfg)
+    model = build_model(cfg)
     with torch.no_grad():  # norms near 1, as trained ones are; the rest large enough to matter
         weights = {
             n: torch.randn_like(p) * 0.2 + ("norm" in n) for n, p in model.state_dict().items()
         }
     with torch.device("meta"):
-        model = llama.Transformer(cfg)
+        model = build_model(cfg)
     dense = quantize_linears(model, fuse_projections(weights, 2), quantization, dtype)
     model.load_weights(dense)
     return model.eval()
@@ -93,8 +105,9 @@ def test_fused_layers_match_the_modules(family, quantization, dtype):
     native, native_kv = _run(model, "fused")
     modules, modules_kv = _run(model, "modules")
     assert modules[0].float().std() > 0.5  # not a comparison of near-zero tensors
-    # The same kernels in the same order; only Qwen3's head norms differ (C++ against torch's
-    # fallback for strided heads), by rounding, which can move a quantized activation's code.
+    # The same kernels in the same order; only Qwen3's and Gemma 3's head norms differ (C++
+    # against torch's fallback for strided heads), by rounding, which can move a quantized
+    # activation's code.
     tol = {"none": 1e-5, "int8": 1e-3, "int4": 1e-3}[quantization]
     tol = tol if dtype == torch.float32 else 2e-2
     for ours, theirs in zip(native + native_kv, modules + modules_kv, strict=True):

@@ -32,6 +32,12 @@ KNOWN_PARAMETERS = {
     "llama-3.2-1b": 1_235_814_400,
     "qwen3-1.7b": 1_720_574_976,
     "llama-3.1-8b": 8_030_261_248,
+    # Gemma 3 4B's text model: its checkpoint's 4.3B also count the SigLIP vision tower (0.42B).
+    "gemma-3-4b": 3_880_263_168,
+    # The MoE models' published totals (their model cards: 6.9B, 30.5B, 46.7B).
+    "olmoe-1b-7b": 6.9e9,
+    "qwen3-30b-a3b": 30.5e9,
+    "mixtral-8x7b": 46.7e9,
 }
 
 
@@ -100,6 +106,7 @@ def test_quantized_dummy_weights_are_blocks_of_plausible_scale(tiny_config):
         {},
         {"model_type": "qwen2", "tie_word_embeddings": False},  # q/k/v biases, an untied head
         {"model_type": "llama", "head_dim": 32, "num_key_value_heads": 4},
+        {"model_type": "gemma3_text"},  # q/k norms and four norms a layer
     ],
 )
 def test_parameter_count_is_what_the_weights_hold(tmp_path, changes):
@@ -128,7 +135,7 @@ def test_named_configs_are_the_ones_the_cli_lists():
         ("llama-9b", None, ModelLoadError, "no such config 'llama-9b'; give .*llama-3.2-1b"),
         (None, None, ModelLoadError, "needs a model config"),
         ("file", {"hidden_size": -64}, ModelLoadError, "hidden_size must be a positive integer"),
-        ("file", {"model_type": "gemma2"}, UnsupportedModelError, "model_type 'gemma2'"),
+        ("file", {"model_type": "gemma"}, UnsupportedModelError, "model_type 'gemma'"),
         ("file", {"hidden_act": "gelu"}, UnsupportedModelError, "hidden_act 'gelu'"),
     ],
 )

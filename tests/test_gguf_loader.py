@@ -444,9 +444,11 @@ def test_unsupported_architecture(tmp_path: Path):
         gguf_config(open_gguf(path))
 
 
-def test_mixture_of_experts_is_rejected(tmp_path: Path):
-    path = write_gguf(tmp_path / "m.gguf", hf_weights(), metadata={"llama.expert_count": 8})
-    with pytest.raises(UnsupportedModelError, match="mixture-of-experts"):
+def test_experts_of_an_architecture_without_them_are_rejected(tmp_path: Path):
+    """Experts run for llama (Mixtral), qwen3moe and olmoe (tests/test_moe_models.py)."""
+    metadata = {"qwen2.expert_count": 8}
+    path = write_gguf(tmp_path / "m.gguf", hf_weights(), "qwen2", metadata=metadata)
+    with pytest.raises(UnsupportedModelError, match="qwen2 with experts is not supported"):
         gguf_config(open_gguf(path))
 
 

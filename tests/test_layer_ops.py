@@ -84,12 +84,13 @@ def test_rotary_refuses_a_position_outside_the_table():
         layer_ops.rotary(torch.zeros(1, 16), torch.tensor([10]), cos, sin, 2, 8)
 
 
+@pytest.mark.parametrize("op", ["silu_and_mul", "gelu_tanh_and_mul"])  # SwiGLU's, Gemma's GeGLU's
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul(dtype):
+def test_act_and_mul(dtype, op):
     x = (torch.randn(9, 2 * 80, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
-    out = layer_ops.silu_and_mul(x)
+    out = getattr(layer_ops, op)(x)
     assert out.shape == (9, 80)
-    torch.testing.assert_close(out, layer_ops.silu_and_mul_torch(x), **tol(dtype))
+    torch.testing.assert_close(out, getattr(layer_ops, f"{op}_torch")(x), **tol(dtype))
 
 
 @pytest.fixture

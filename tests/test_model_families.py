@@ -1,6 +1,7 @@
 """Families close to Llama: Phi-3 (stacked q|k|v and gate|up in the checkpoint, LongRoPE, partial
 rotary, its sliding window) from a Hugging Face directory and from GGUF against transformers; and
-the families tinyllm refuses (Gemma 1/2/3, Phi-2, anything unknown), in one line naming them."""
+the families tinyllm refuses (Gemma 1, Phi-2, anything unknown), in one line naming them
+(Gemma 2 and 3: tests/test_gemma.py)."""
 
 import json
 import logging
@@ -262,9 +263,6 @@ def test_phi3_q4_0_gguf_runs_as_stored(case: str, tmp_path: Path) -> None:
 # HF class -> what the message says it has (and, for GGUF, the file's general.architecture).
 REFUSED = {
     "GemmaForCausalLM": "(1 + weight) RMSNorms",
-    "Gemma2ForCausalLM": "soft-capped attention and final logits",
-    "Gemma3ForCausalLM": "sliding-window attention on 5 of every 6 layers",
-    "Gemma3ForConditionalGeneration": "sliding-window attention on 5 of every 6 layers",
     "PhiForCausalLM": "attention and MLP in parallel",
     "GPT2LMHeadModel": None,
 }
@@ -284,7 +282,7 @@ def test_refused_checkpoint_names_its_architecture(cls: str, tmp_path: Path) -> 
     assert "phi3" in line  # what tinyllm does run
 
 
-@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3", "phi2", "gpt2"])
+@pytest.mark.parametrize("arch", ["gemma", "phi2", "gpt2"])
 def test_refused_gguf_names_its_architecture(arch: str, tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "m.gguf", {}, arch)
     with pytest.raises(UnsupportedModelError) as error:
@@ -297,16 +295,16 @@ def test_refused_gguf_names_its_architecture(arch: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("source", ["hf", "gguf"])
 def test_refused_model_is_one_line_from_the_cli(source: str, tmp_path: Path, capsys) -> None:
     if source == "gguf":
-        path = write_gguf(tmp_path / "m.gguf", {}, "gemma2")
+        path = write_gguf(tmp_path / "m.gguf", {}, "gemma")
     else:
-        config = {**BASE, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}
+        config = {**BASE, "architectures": ["GemmaForCausalLM"], "model_type": "gemma"}
         (tmp_path / "config.json").write_text(json.dumps(config))
         path = tmp_path
     assert cli.main(["generate", "hi", "--model", str(path)]) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err
     (line,) = [ln for ln in err.splitlines() if ln.startswith("tinyllm: error:")]
-    assert "is not supported: it needs soft-capped attention and final logits" in line, err
+    assert "is not supported: it needs Gemma 1's layers: (1 + weight) RMSNorms" in line, err
 
 
 def test_phi3_configs_of_either_layout_agree(tmp_path: Path) -> None:

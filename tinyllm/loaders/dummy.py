@@ -87,24 +87,37 @@ def load_dummy(model: str | None, quantization: str, dtype: torch.dtype) -> Chec
     return Checkpoint(name, folder, config, tensors, IdsOnlyTokenizer(config.vocab_size))
 
 
-def _linear_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(out, in) of each decoder layer's linear weights, fused as the model runs them."""
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    return {
-        "self_attn.qkv_proj": (q + 2 * kv, c.hidden_size),
-        "self_attn.o_proj": (c.hidden_size, q),
-        "mlp.gate_up_proj": (2 * c.intermediate_size, c.hidden_size),
-        "mlp.down_proj": (c.hidden_size, c.intermediate_size),
-    }
+def _linear_shapes(c: ModelConfig, layer: int) -> dict[str, tuple[int, int]]:
+    """(out, in) of decoder layer `layer`'s quantizable linear weights, fused as the model runs
+    them: a MoE layer's experts' (model/moe.py) in place of the MLP's."""
+    q, kv, h = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size
+    shapes = {"self_attn.qkv_proj": (q + 2 * kv, h), "self_attn.o_proj": (h, q)}
+    if not c.is_moe_layer(layer):
+        return shapes | {
+            "mlp.gate_up_proj": (2 * c.intermediate_size, h),
+            "mlp.down_proj": (h, c.intermediate_size),
+        }
+    ffn = c.moe_intermediate_size
+    for e in range(c.num_experts):
+        shapes[f"mlp.experts.{e}.gate_up_proj"] = (2 * ffn, h)
+        shapes[f"mlp.experts.{e}.down_proj"] = (h, ffn)
+    return shapes
 
 
 def parameter_count(c: ModelConfig) -> int:
     """The model's parameters as its checkpoint counts them (a tied head once), from shapes."""
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    layer = sum(n * k for n, k in _linear_shapes(c).values()) + 2 * c.hidden_size
-    layer += (q + 2 * kv) * c.attention_bias + 2 * c.head_dim * c.qk_norm
+    total = 0
+    for i in range(c.num_layers):
+        total += (
+            sum(n * k for n, k in _linear_shapes(c, i).values())
+            + (2 + 2 * c.post_norms) * c.hidden_size
+        )
+        total += c.num_experts * c.hidden_size * c.is_moe_layer(i)  # the router
+    norms = (q + kv) if c.qk_norm_all_heads else 2 * c.head_dim
+    total += c.num_layers * ((q + 2 * kv) * c.attention_bias + norms * c.qk_norm)
     embed = c.vocab_size * c.hidden_size
-    return c.num_layers * layer + c.hidden_size + embed * (1 if c.tie_word_embeddings else 2)
+    return total + c.hidden_size + embed * (1 if c.tie_word_embeddings else 2)
 
 
 def _check_memory(c: ModelConfig, quantization: str, dtype: torch.dtype) -> None:
@@ -118,10 +131,14 @@ def _check_memory(c: ModelConfig, quantization: str, dtype: torch.dtype) -> None
         what = quantization
     free = available_bytes(torch.device("cpu"))
     if free is not None and need > free:
+        smaller = (
+            "a smaller config"
+            if quantization == "int4"
+            else "quantization int4 or a smaller config"
+        )
         raise ModelLoadError(
             f"dummy weights of {params / 1e9:.2f}B parameters in {what} need about "
-            f"{need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB available; "
-            "use quantization int4 or a smaller config"
+            f"{need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB available; use {smaller}"
         )
 
 
@@ -164,6 +181,7 @@ def dummy_weights(
         "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size,
         "num_attention_heads * head_dim": c.num_heads * c.head_dim,
+        **({"moe_intermediate_size": c.moe_intermediate_size} if c.num_experts else {}),
     }
     bad = [f"{name}={width}" for name, width in widths.items() if width % GROUP]
     if quantization != "none" and bad:
@@ -189,16 +207,20 @@ def dummy_weights(
         weights["lm_head.weight"] = linear(c.vocab_size, c.hidden_size, head_bits)
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
-        for name, (n, k) in _linear_shapes(c).items():
+        for name, (n, k) in _linear_shapes(c, i).items():
             weights[f"{p}{name}.weight"] = linear(n, k, layer_bits)
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        if c.is_moe_layer(i):  # the router, never quantized
+            weights[f"{p}mlp.gate.weight"] = rand.dense(c.num_experts, c.hidden_size)
+        gemma = ("pre_feedforward_layernorm", "post_feedforward_layernorm") * c.post_norms
+        for norm in ("input_layernorm", "post_attention_layernorm", *gemma):
             weights[f"{p}{norm}.weight"] = ones(c.hidden_size)
         if c.attention_bias:
             q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
             weights[f"{p}self_attn.qkv_proj.bias"] = torch.zeros(q + 2 * kv, dtype=dtype)
         if c.qk_norm:
-            for norm in ("q_norm", "k_norm"):
-                weights[f"{p}self_attn.{norm}.weight"] = ones(c.head_dim)
+            q, kv = (c.num_heads, c.num_kv_heads) if c.qk_norm_all_heads else (1, 1)
+            weights[f"{p}self_attn.q_norm.weight"] = ones(q * c.head_dim)
+            weights[f"{p}self_attn.k_norm.weight"] = ones(kv * c.head_dim)
     return weights
 
 

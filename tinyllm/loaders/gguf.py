@@ -21,7 +21,21 @@ from tinyllm.model.config import (
 )
 from tinyllm.model.quant import GroupQuantized
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")  # Mistral GGUFs say "llama"
+# Mistral's and Mixtral's GGUFs say "llama" (Mixtral's with experts).
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3moe", "olmoe")
+# Gemma's sliding layers, as llama.cpp has them: all but every n-th (Gemma 2: every other,
+# Gemma 3: 5 of 6), unless the file gives {arch}.attention.sliding_window_pattern.
+GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+# llama.cpp's 27B sizes of each (by block count), whose attention scale is hidden / heads, not
+# head_dim: query_pre_attn_scalar, which the file does not store.
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# The model's architecture of a GGUF one with experts, and whether the family renormalises its
+# top-k router weights (llama.cpp's choice for each; a file's expert_weights_norm overrides it).
+MOE_ARCHITECTURES = {
+    "llama": ("mixtral", True),
+    "qwen3moe": ("qwen3_moe", True),
+    "olmoe": ("olmoe", False),
+}
 
 Q = gguf.GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = (
@@ -220,9 +234,8 @@ def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
     if arch not in GGUF_ARCHITECTURES:
         error = unsupported_architecture(f"GGUF architecture {arch!r}", arch)
         raise UnsupportedModelError(f"{_where(reader)}: {error}")
-    if _value(reader, f"{arch}.expert_count", 0) > 0:
-        raise UnsupportedModelError(f"{_where(reader)}: mixture-of-experts is not supported")
     names = {t.name for t in reader.tensors}
+    experts = _experts(reader, arch, names)
     hidden = _required(reader, f"{arch}.embedding_length")
     heads = _required(reader, f"{arch}.attention.head_count")
     head_dim = _value(reader, f"{arch}.attention.key_length", hidden // heads)
@@ -241,7 +254,7 @@ def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
         vocab_size = int(embedding.shape[-1])  # ne order: rows come last
     rope_theta = float(_value(reader, f"{arch}.rope.freq_base", 10000.0))
     config = ModelConfig(
-        architecture=arch,
+        architecture=MOE_ARCHITECTURES[arch][0] if experts else arch,
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=_required(reader, f"{arch}.feed_forward_length"),
@@ -257,6 +270,8 @@ def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         rotary_dim=rotary_dims if rotary_dims != head_dim else None,
+        qk_norm_all_heads=arch == "olmoe",
+        **experts,
     )
     # 0: no window (llama.cpp's converter writes it for Phi-3 models without one). Phi-3's is
     # served by cutting the context to it; a llama file's (Mistral's) slides on every layer.
@@ -266,7 +281,58 @@ def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
         serve_within_window(config, window)
     elif arch == "llama" and 0 < window < config.max_position_embeddings:
         config.sliding_window = window
+    if arch in GEMMA_SWA_PATTERN:
+        _gemma_fields(reader, arch, config, window)
     return config
+
+
+def _gemma_fields(reader: gguf.GGUFReader, arch: str, config: ModelConfig, window: int) -> None:
+    """Gemma's own fields, as llama.cpp's converter stores (or llama.cpp assumes) them. Its norms
+    are stored as 1 + w already: the model's multipliers."""
+    n, key = config.num_layers, f"{arch}.attention.sliding_window_pattern"
+    field = reader.get_field(key)
+    if field is not None and len(field.data) > 1:  # one flag per layer: whether it slides
+        slides = [bool(field.parts[i][0]) for i in field.data]
+    else:  # every pattern-th layer global, the rest sliding
+        pattern = _value(reader, key, GEMMA_SWA_PATTERN[arch])
+        slides = [bool((i + 1) % pattern) for i in range(n)]
+    if len(slides) != n or window <= 0:
+        raise ModelLoadError(
+            f"{_where(reader)}: {arch} needs attention.sliding_window and one sliding flag per "
+            f"layer ({n})"
+        )
+    config.sliding_window = window
+    config.sliding_window_layers = tuple(i for i in range(n) if slides[i])
+    config.hidden_act = "gelu_pytorch_tanh"
+    config.embedding_scale = config.hidden_size**0.5
+    config.post_norms = True
+    config.attn_logit_softcapping = _value(reader, f"{arch}.attn_logit_softcapping")
+    config.final_logit_softcapping = _value(reader, f"{arch}.final_logit_softcapping")
+    big = n == GEMMA_27B_LAYERS[arch]
+    config.query_pre_attn_scalar = config.hidden_size / config.num_heads if big else config.head_dim
+    if arch == "gemma3":
+        config.rope_local_theta = float(_value(reader, f"{arch}.rope.freq_base_swa", 10000.0))
+
+
+def _experts(reader: gguf.GGUFReader, arch: str, names: set[str]) -> dict:
+    """ModelConfig's mixture-of-experts fields from the file's expert keys; {} without experts.
+    A layer whose MLP is dense (a Qwen3-MoE's mlp_only_layers) has ffn_down, not ffn_down_exps."""
+    count = _value(reader, f"{arch}.expert_count", 0)
+    if not count:
+        return {}
+    if arch not in MOE_ARCHITECTURES:
+        raise UnsupportedModelError(f"{_where(reader)}: {arch} with experts is not supported")
+    ffn = _value(reader, f"{arch}.expert_feed_forward_length")
+    layers = range(_required(reader, f"{arch}.block_count"))
+    return {
+        "num_experts": count,
+        "num_experts_per_tok": _required(reader, f"{arch}.expert_used_count"),
+        "moe_intermediate_size": ffn or _required(reader, f"{arch}.feed_forward_length"),
+        "norm_topk_prob": bool(
+            _value(reader, f"{arch}.expert_weights_norm", MOE_ARCHITECTURES[arch][1])
+        ),
+        "dense_mlp_layers": tuple(i for i in layers if f"blk.{i}.ffn_down.weight" in names),
+    }
 
 
 def _tensor_names(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -285,6 +351,10 @@ def _tensor_names(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]
         "ffn_norm.weight": ("post_attention_layernorm.weight", (h,)),
         "ffn_down.weight": ("mlp.down_proj.weight", (h, ffn)),
     }
+    if config.post_norms:  # Gemma's sandwich: its ffn_norm is the norm before the MLP
+        layer["post_attention_norm.weight"] = ("post_attention_layernorm.weight", (h,))
+        layer["ffn_norm.weight"] = ("pre_feedforward_layernorm.weight", (h,))
+        layer["post_ffw_norm.weight"] = ("post_feedforward_layernorm.weight", (h,))
     if config.architecture == "phi3":  # stacked as in the HF checkpoint: q|k|v and gate|up
         layer["attn_qkv.weight"] = ("self_attn.qkv_proj.weight", (q + 2 * kv, h))
         layer["ffn_up.weight"] = ("mlp.gate_up_proj.weight", (2 * ffn, h))
@@ -301,8 +371,26 @@ def _tensor_names(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]
     if config.qk_norm:
         layer["attn_q_norm.weight"] = ("self_attn.q_norm.weight", (config.head_dim,))
         layer["attn_k_norm.weight"] = ("self_attn.k_norm.weight", (config.head_dim,))
+    if config.qk_norm_all_heads:  # OLMoE's span all heads
+        layer["attn_q_norm.weight"] = ("self_attn.q_norm.weight", (q,))
+        layer["attn_k_norm.weight"] = ("self_attn.k_norm.weight", (kv,))
+    # A MoE layer's router and experts, each expert's weights stacked in one 3-D tensor; the
+    # model's name of expert E is the name with "{}" formatted by E.
+    e, ffn_e = config.num_experts, config.moe_intermediate_size
+    moe = {
+        **{k: v for k, v in layer.items() if not k.startswith("ffn_") or k == "ffn_norm.weight"},
+        "ffn_gate_inp.weight": ("mlp.gate.weight", (e, h)),
+        "ffn_gate_exps.weight": ("mlp.experts.{}.gate_proj.weight", (e, ffn_e, h)),
+        "ffn_up_exps.weight": ("mlp.experts.{}.up_proj.weight", (e, ffn_e, h)),
+        "ffn_down_exps.weight": ("mlp.experts.{}.down_proj.weight", (e, h, ffn_e)),
+    }
+    if config.architecture == "mixtral":  # files converted before the stacked tensors (2023)
+        for e in range(config.num_experts):
+            moe[f"ffn_gate.{e}.weight"] = (f"mlp.experts.{e}.gate_proj.weight", (ffn_e, h))
+            moe[f"ffn_up.{e}.weight"] = (f"mlp.experts.{e}.up_proj.weight", (ffn_e, h))
+            moe[f"ffn_down.{e}.weight"] = (f"mlp.experts.{e}.down_proj.weight", (h, ffn_e))
     for i in range(config.num_layers):
-        for gguf_name, (hf_name, shape) in layer.items():
+        for gguf_name, (hf_name, shape) in (moe if config.is_moe_layer(i) else layer).items():
             names[f"blk.{i}.{gguf_name}"] = (f"model.layers.{i}.{hf_name}", shape)
     return names
 
@@ -322,7 +410,8 @@ def _unpermute_rotary(w: torch.Tensor, head_dim: int) -> torch.Tensor:
 def _rotary_rows(w: torch.Tensor, name: str, config: ModelConfig) -> torch.Tensor:
     """`w` (rows first: whole heads) with llama's q/k row order restored; any other tensor as it
     is."""
-    if config.architecture == "llama" and (".attn_q." in name or ".attn_k." in name):
+    llama = config.architecture in ("llama", "mixtral")  # GGUF architecture llama
+    if llama and (".attn_q." in name or ".attn_k." in name):
         return _unpermute_rotary(w, config.head_dim)
     return w
 
@@ -341,13 +430,17 @@ class GGUFTensor(StoredTensor):
         dtype: torch.dtype,
         as_groups: bool,
         where: str,
+        expert: int | None = None,
     ) -> None:
         self.tensor, self.shape, self.config = tensor, shape, config
         self.dtype, self.as_groups, self.where = dtype, as_groups, where
+        # Of a 3-D tensor of stacked experts: the one this is, read as a view of its bytes.
+        self.expert = expert
 
     def _blocks(self, rows: slice, cols: slice) -> tuple[np.ndarray, int, slice]:
         """The stored data covering `rows` x `cols`, its width in weights, and `cols` in it."""
-        data = self.tensor.data[rows]
+        data = self.tensor.data if self.expert is None else self.tensor.data[self.expert]
+        data = data[rows]
         if data.ndim == 1:
             return data, len(data), ALL
         # The reader gives float tensors as their elements, every other type as bytes per row.
@@ -404,8 +497,14 @@ def gguf_tensors(
                 f"{where}: tensor {tensor.name!r} has shape {stored}, config implies {shape}"
             )
         as_groups = keep_quantized and tensor.tensor_type in KERNEL_BITS
-        tensors[hf_name] = GGUFTensor(tensor, shape, config, dtype, as_groups, where)
-    missing = [hf_name for hf_name, _ in expected.values() if hf_name not in tensors]
+        if len(shape) == 3:  # stacked experts: one tensor each, viewing the file's bytes
+            for e in range(shape[0]):
+                args = (shape[1:], config, dtype, as_groups, where, e)
+                tensors[hf_name.format(e)] = GGUFTensor(tensor, *args)
+        else:
+            tensors[hf_name] = GGUFTensor(tensor, shape, config, dtype, as_groups, where)
+    # A stacked tensor's experts, or each expert's own (Mixtral's older files): either will do.
+    missing = [hf_name for hf_name, _ in expected.values() if hf_name.format(0) not in tensors]
     if missing:
         raise ModelLoadError(f"{where}: missing tensors {', '.join(missing[:5])}")
     return tensors

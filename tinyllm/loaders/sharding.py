@@ -9,7 +9,11 @@ shard id (q, k, v; gate, up), from the checkpoint's separate tensors or from one
 - Row-parallel layers (o_proj, down_proj) split their input columns to match: each rank's
   product is a partial sum of the layer's output (adding them, an all-reduce, is the
   tensor-parallel runtime's job).
-- Everything else is replicated: the norms, and for now the embeddings and the LM head.
+- A mixture-of-experts layer's experts split as the MLP does, each on its own: every rank holds
+  its share of every expert's FFN width (gate_up_proj's rows, down_proj's columns), so the
+  experts need no collective beyond the MLP's all-reduce. The router is replicated: each rank
+  routes its tokens alike, from the same (all-reduced) input.
+- Everything else is replicated: the norms, the routers, and for now the embeddings and the LM head.
   Splitting those by vocabulary saves each rank its share of vocab x hidden but adds an
   all-reduce of the embeddings and a gather of the logits to every step: the runtime that adds
   the collectives decides.
@@ -28,10 +32,11 @@ from tqdm import tqdm
 
 from tinyllm.loaders.stored import StoredTensor, Weight
 from tinyllm.model.config import ModelConfig, ModelLoadError
-from tinyllm.model.layers import STACKED
+from tinyllm.model.layers import EXPERT_STACKED, STACKED, expert_prefix
 from tinyllm.model.quant import GROUP, cat_rows
 
-ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+# The dense MLP's down_proj and each expert's (mlp.experts.E.down_proj).
+ROW_PARALLEL = ("self_attn.o_proj", ".down_proj")
 Tensors = Mapping[str, StoredTensor]
 
 
@@ -133,6 +138,14 @@ def param_loader(name: str, config: ModelConfig, quantized: bool) -> ParamLoader
     module, _, kind = name.rpartition(".")
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     rows = {"self_attn.qkv_proj": (q, kv, kv), "mlp.gate_up_proj": (config.intermediate_size,) * 2}
+    own, separate = EXPERT_STACKED
+    if (expert := expert_prefix(name)) and module.endswith("." + own):
+        # An expert's gate_up_proj: every rank holds its slice of every expert's FFN width.
+        width = config.moe_intermediate_size
+        parts = tuple(
+            Part(hf.removesuffix("_proj"), f"{expert}{hf}.{kind}", width, 1) for hf in separate
+        )
+        return ColumnParallel(name, parts)
     for own, separate in STACKED.items():
         if module.endswith("." + own):
             layer = module.removesuffix(own)

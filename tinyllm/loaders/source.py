@@ -128,6 +128,7 @@ def open_checkpoint(
         return Checkpoint(path.stem, path, config, tensors, Tokenizer.from_gguf(reader))
     # A hub snapshot directory is named after a commit hash, so a hub model goes by its id.
     name = model if model and not Path(model).expanduser().exists() else path.resolve().name
+    config = hf_config(path)
     return Checkpoint(
-        name, path, hf_config(path), hf_tensors(path, dtype), Tokenizer.from_hf_dir(path)
+        name, path, config, hf_tensors(path, dtype, config), Tokenizer.from_hf_dir(path)
     )

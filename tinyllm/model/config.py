@@ -6,26 +6,32 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_ARCHITECTURES = (
+    "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral",
+    "olmoe",
+)  # fmt: skip
 
-# Families close to Llama that tinyllm refuses, and why: what their layers do that the one model
-# file (model/llama.py) and its attention backends do not. Keyed by Hugging Face's model_type,
-# which is also their GGUF general.architecture.
+# Families close to the supported ones that tinyllm refuses, and why: what their layers do that
+# the model files (model/llama.py, model/gemma.py) and the attention backends do not. Keyed by
+# Hugging Face's model_type, which is also their GGUF general.architecture.
 REFUSED_ARCHITECTURES = {
     "phi": "LayerNorms, attention and MLP in parallel, biases and a GELU MLP",
-    "gemma": "embeddings scaled by sqrt(hidden_size), (1 + weight) RMSNorms and a GeGLU MLP",
-    "gemma2": (
-        "soft-capped attention and final logits, sliding-window attention on every other layer, "
-        "extra norms after attention and MLP, (1 + weight) RMSNorms, scaled embeddings and a "
-        "GeGLU MLP"
-    ),
-    "gemma3": (
-        "sliding-window attention on 5 of every 6 layers (with their own RoPE base), extra norms "
-        "after attention and MLP, (1 + weight) RMSNorms, scaled embeddings and a GeGLU MLP"
+    "gemma": (
+        "Gemma 1's layers: (1 + weight) RMSNorms, scaled embeddings and a GeGLU MLP without the "
+        "norms after attention and MLP that tinyllm's Gemma 2/3 model has"
     ),
 }
-REFUSED_ARCHITECTURES["gemma3_text"] = REFUSED_ARCHITECTURES["gemma3"]
 REFUSED_ARCHITECTURES["phi2"] = REFUSED_ARCHITECTURES["phi"]  # Phi-2's GGUF architecture
+REFUSED_ARCHITECTURES["gpt_oss"] = (
+    "attention sinks, sliding-window attention on every other layer, YaRN RoPE, a clamped "
+    "SwiGLU with biases in its experts and MXFP4 expert weights"
+)
+REFUSED_ARCHITECTURES["gpt-oss"] = REFUSED_ARCHITECTURES["gpt_oss"]  # its GGUF architecture
+REFUSED_ARCHITECTURES["qwen2_moe"] = (
+    "a shared expert, with its own sigmoid gate, beside the routed experts (model/moe.py has "
+    "routed experts only)"
+)
+REFUSED_ARCHITECTURES["qwen2moe"] = REFUSED_ARCHITECTURES["qwen2_moe"]  # its GGUF architecture
 
 
 class ModelLoadError(ValueError):
@@ -38,7 +44,8 @@ class UnsupportedModelError(ValueError):
 
 @dataclass
 class ModelConfig:
-    architecture: str  # one of SUPPORTED_ARCHITECTURES ("smollm" models are "llama")
+    architecture: str  # one of SUPPORTED_ARCHITECTURES ("smollm" models are "llama"; Gemma 3's
+    # text model, model_type gemma3_text, is "gemma3")
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -61,6 +68,23 @@ class ModelConfig:
     sliding_window: int | None = None
     # The layers that slide (Qwen2's and Qwen3's from max_window_layers on); None: every layer.
     sliding_window_layers: tuple[int, ...] | None = None
+    # Gemma 2/3 (model/gemma.py); the defaults leave the other families as they are.
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_pytorch_tanh" (GeGLU)
+    embedding_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden_size))
+    post_norms: bool = False  # RMSNorms on the attention and MLP outputs before their adds
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5; None: head_dim
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers, unscaled (Gemma 3)
+    # Mixture of experts (Qwen3-MoE, Mixtral, OLMoE; model/moe.py): 0 experts is a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k: the experts each token runs
+    moe_intermediate_size: int = 0  # each expert's FFN width
+    norm_topk_prob: bool = False  # the top-k probabilities renormalised to sum to 1
+    # The layers with a dense MLP in a MoE model (Qwen3-MoE's mlp_only_layers, decoder_sparse_step).
+    dense_mlp_layers: tuple[int, ...] = ()
+    # OLMoE: q_norm and k_norm span all heads' width (one norm of q's whole row), not one head.
+    qk_norm_all_heads: bool = False
     # Above 1, this is one rank's part of a model split over that many (see shard): the head
     # counts and intermediate_size above are the rank's own.
     tensor_parallel_size: int = 1
@@ -86,10 +110,23 @@ class ModelConfig:
                 )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ModelLoadError(f"sliding_window {self.sliding_window} must be >= 1")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ModelLoadError(
+                f"num_experts_per_tok {self.num_experts_per_tok} must be in 1..num_experts "
+                f"({self.num_experts})"
+            )
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise UnsupportedModelError(
+                f"unsupported hidden_act {self.hidden_act!r}; needs silu or gelu_pytorch_tanh"
+            )
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` runs a mixture of experts (model/moe.py) instead of the MLP."""
+        return self.num_experts > 0 and layer not in self.dense_mlp_layers
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer`, or None where it attends to the whole context."""
@@ -98,14 +135,22 @@ class ModelConfig:
 
     def shard(self, world_size: int) -> "ModelConfig":
         """One rank's part of this model split over `world_size` ranks (tensor parallelism):
-        its query heads, KV heads and FFN width, each this many divided by world_size. The
-        model built from it has the rank's shapes, and its KV cache holds the rank's heads."""
+        its query heads, KV heads and FFN widths (the experts' too), each this many divided by
+        world_size. The model built from it has the rank's shapes, and its KV cache holds the
+        rank's heads."""
         if world_size == 1:
             return self
+        if self.qk_norm_all_heads:
+            raise ValueError(
+                f"tensor parallelism does not split {self.architecture}: its q/k norms span all "
+                "heads, so each rank's heads would need the others' to normalise"
+            )
         split = {
             "num_heads": self.num_heads,
             "num_kv_heads": self.num_kv_heads,
             "intermediate_size": self.intermediate_size,
+            # Each rank holds every expert's slice of its FFN width, as of the dense MLP's.
+            "moe_intermediate_size": self.moe_intermediate_size,
         }
         uneven = [f"{name} {n}" for name, n in split.items() if n % world_size]
         if uneven:
@@ -129,7 +174,7 @@ def unsupported_architecture(name: str, model_type: str) -> UnsupportedModelErro
     """The one-line error for a model tinyllm does not run: `name` as the file calls it (an HF
     class name or a GGUF architecture), and why, for the families close to Llama."""
     why = REFUSED_ARCHITECTURES.get(model_type)
-    reason = f": it needs {why}, which tinyllm's Llama-family model lacks" if why else ""
+    reason = f": it needs {why}, which tinyllm's models lack" if why else ""
     return UnsupportedModelError(
         f"{name} is not supported{reason}; tinyllm runs {', '.join(SUPPORTED_ARCHITECTURES)}"
     )

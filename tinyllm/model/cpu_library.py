@@ -1,6 +1,7 @@
 """tinyllm's C++ CPU ops: paged attention (attention/cpu_kernel.cpp), a decoder layer's
-element-wise steps (layer_ops.cpp), linear layers on quantized weights (quant_linear.cpp) and a
-whole decoder layer from those (decoder_layer.cpp), one library registering torch.ops.tinyllm.*.
+element-wise steps (layer_ops.cpp), linear layers on quantized weights (quant_linear.cpp), and
+from those a whole decoder layer (decoder_layer.cpp) and a mixture-of-experts block
+(moe_ops.cpp), one library registering torch.ops.tinyllm.*.
 
 Installing the package (`pip install .` or `pip install -e .`, through setup.py) compiles one
 library per instruction-set level this CPU runs (install_levels(); every level with
@@ -43,6 +44,7 @@ SOURCES = [
     HERE / "layer_ops.cpp",
     HERE / "quant_linear.cpp",
     HERE / "decoder_layer.cpp",
+    HERE / "moe_ops.cpp",
 ]
 HEADERS = [HERE / "fast_exp.h", HERE / "cpu_ops.h"]
 # The libraries installing the package builds, and where this install compiles a missing one.

@@ -26,6 +26,7 @@ void rms_norm(const at::Tensor& out, const at::Tensor& x, const std::optional<at
 void rotary(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
             const at::Tensor& sin, int64_t heads, int64_t head_dim);
 void silu_and_mul(const at::Tensor& out, const at::Tensor& x);
+void gelu_tanh_and_mul(const at::Tensor& out, const at::Tensor& x);
 
 // quant_linear.cpp
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t bits);
@@ -41,6 +42,6 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                      const std::optional<at::Tensor>& slot_mapping,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, int64_t num_rows, double scale,
-                     std::optional<int64_t> window);
+                     std::optional<int64_t> window, std::optional<double> softcap = std::nullopt);
 
 }  // namespace tinyllm

@@ -9,7 +9,8 @@
 // projection's output (o_proj's, down_proj's) before it is added to the residual stream, so a
 // sum over ranks fits between them. Each add is then done by the next op, fused into its norm
 // as the modules' path fuses it: residual += the sublayer's output, rounded to the dtype as the
-// unfused add rounds it, in place.
+// unfused add rounds it, in place. Gemma normalizes a sublayer's output before that add (its
+// post-attention and post-feedforward norms): after the all-reduce, so in the next op too.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -37,9 +38,11 @@ void check_residual(const char* op, const at::Tensor& residual, const char* name
               " must be residual's ", residual.sizes());
 }
 
-// residual += hidden (when given; the first layer has nothing to add), then o_proj(attention(
-// RMSNorm(residual))), returned. weights: input_layernorm, qkv_proj, o_proj; a projection is a
-// dense weight or QuantLinear's packed records (cpu_ops.h linear). The K/V cache, the step's
+// residual += hidden (when given; the first layer has nothing to add; with hidden_norm, the
+// RMSNorm of hidden by it: the previous layer's post-feedforward norm), then o_proj(attention(
+// RMSNorm(residual))), returned; softcap: the kernel's soft-capping of scores (Gemma 2).
+// weights: input_layernorm, qkv_proj, o_proj; a projection is a dense weight or QuantLinear's
+// packed records (cpu_ops.h linear). The K/V cache, the step's
 // metadata and the layer's sliding window (None: none) are what attention/cpu.py passes the same
 // kernel. The step's arguments come first, the layer's own (weights, sizes) last: the model
 // gathers those once.
@@ -53,7 +56,9 @@ at::Tensor decoder_attention(const std::optional<at::Tensor>& hidden, const at::
                              const std::optional<at::Tensor>& q_norm,
                              const std::optional<at::Tensor>& k_norm, int64_t heads,
                              int64_t kv_heads, double eps, double scale,
-                             std::optional<int64_t> window) {
+                             std::optional<int64_t> window,
+                             const std::optional<at::Tensor>& hidden_norm,
+                             std::optional<double> softcap) {
   TORCH_CHECK(weights.size() == 3, "decoder_attention: 3 weights, not ", weights.size());
   check_residual("decoder_attention", residual, "hidden", hidden);
   TORCH_CHECK(k_cache.dim() == 4, "decoder_attention: k_cache ", k_cache.sizes(),
@@ -68,7 +73,10 @@ at::Tensor decoder_attention(const std::optional<at::Tensor>& hidden, const at::
   const int64_t n = residual.size(0), hidden_size = residual.size(1), dim = k_cache.size(3);
 
   at::Tensor x = at::empty_like(residual);
-  if (hidden) {
+  if (hidden && hidden_norm) {
+    tinyllm::rms_norm(x, *hidden, std::nullopt, *hidden_norm, eps);
+    tinyllm::rms_norm(x, x, residual, input_norm, eps);  // residual += normed hidden, x = norm
+  } else if (hidden) {
     tinyllm::rms_norm(x, *hidden, residual, input_norm, eps);  // residual += hidden, x = its norm
   } else {
     tinyllm::rms_norm(x, residual, std::nullopt, input_norm, eps);
@@ -84,25 +92,40 @@ at::Tensor decoder_attention(const std::optional<at::Tensor>& hidden, const at::
   tinyllm::rotary(qkv, positions, cos, sin, heads + kv_heads, dim);
   at::Tensor attn = at::empty({n, heads, dim}, residual.options());
   tinyllm::paged_attention(attn, q, k_cache, v_cache, k, v, slot_mapping, block_tables, seq_lens,
-                           query_start_loc, num_rows, scale, window);
+                           query_start_loc, num_rows, scale, window, softcap);
   return tinyllm::linear(attn.view({n, heads * dim}), o_w, std::nullopt, hidden_size);
 }
 
-// residual += o, then down_proj(silu_and_mul(gate_up_proj(RMSNorm(residual)))), returned.
-// weights: post_attention_layernorm, gate_up_proj, down_proj.
+// residual += o (with o_norm, the RMSNorm of o by it: Gemma's post-attention norm), then
+// down_proj(act_and_mul(gate_up_proj(RMSNorm(residual)))), returned, act: "silu" (SwiGLU) or
+// "gelu_tanh" (GeGLU). weights: the pre-MLP norm (post_attention_layernorm, Gemma's
+// pre_feedforward_layernorm), gate_up_proj, down_proj.
 at::Tensor decoder_mlp(const at::Tensor& o, const at::Tensor& residual, at::TensorList weights,
-                       int64_t intermediate, double eps) {
+                       int64_t intermediate, double eps, const std::optional<at::Tensor>& o_norm,
+                       c10::string_view activation) {
   TORCH_CHECK(weights.size() == 3, "decoder_mlp: 3 weights, not ", weights.size());
   check_residual("decoder_mlp", residual, "o", o);
   TORCH_CHECK(intermediate > 0, "decoder_mlp: intermediate ", intermediate, " must be >= 1");
+  const bool gelu = activation == "gelu_tanh";
+  TORCH_CHECK(gelu || activation == "silu", "decoder_mlp: activation '", activation,
+              "' must be 'silu' or 'gelu_tanh'");
   const at::Tensor &post_norm = weights[0], &gate_up_w = weights[1], &down_w = weights[2];
   const int64_t n = residual.size(0), hidden_size = residual.size(1);
 
   at::Tensor x = at::empty_like(residual);
-  tinyllm::rms_norm(x, o, residual, post_norm, eps);  // residual += o, x = its norm
+  if (o_norm) {
+    tinyllm::rms_norm(x, o, std::nullopt, *o_norm, eps);
+    tinyllm::rms_norm(x, x, residual, post_norm, eps);  // residual += normed o, x = its norm
+  } else {
+    tinyllm::rms_norm(x, o, residual, post_norm, eps);  // residual += o, x = its norm
+  }
   at::Tensor gate_up = tinyllm::linear(x, gate_up_w, std::nullopt, 2 * intermediate);
   at::Tensor act = at::empty({n, intermediate}, residual.options());
-  tinyllm::silu_and_mul(act, gate_up);
+  if (gelu) {
+    tinyllm::gelu_tanh_and_mul(act, gate_up);
+  } else {
+    tinyllm::silu_and_mul(act, gate_up);
+  }
   return tinyllm::linear(act, down_w, std::nullopt, hidden_size);
 }
 
@@ -116,10 +139,11 @@ TORCH_LIBRARY_FRAGMENT(tinyllm, m) {
       "Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int num_rows, "
       "Tensor[] weights, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, int heads, "
-      "int kv_heads, float eps, float scale, int? window) -> Tensor",
+      "int kv_heads, float eps, float scale, int? window, Tensor? hidden_norm=None, "
+      "float? softcap=None) -> Tensor",
       &decoder_attention);
   m.def(
-      "decoder_mlp(Tensor o, Tensor(a!) residual, Tensor[] weights, int intermediate, float eps) "
-      "-> Tensor",
+      "decoder_mlp(Tensor o, Tensor(a!) residual, Tensor[] weights, int intermediate, float eps, "
+      "Tensor? o_norm=None, str activation=\"silu\") -> Tensor",
       &decoder_mlp);
 }

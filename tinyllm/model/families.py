@@ -4,6 +4,7 @@ its line here (and its name to model/config.py's SUPPORTED_ARCHITECTURES)."""
 from torch import nn
 
 from tinyllm.model.config import ModelConfig
+from tinyllm.model.gemma import Gemma
 from tinyllm.model.llama import Transformer
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -12,6 +13,12 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen2": Transformer,
     "qwen3": Transformer,
     "phi3": Transformer,
+    "gemma2": Gemma,
+    "gemma3": Gemma,
+    # Llama-family attention with model/moe.py's experts on the layers the config marks.
+    "qwen3_moe": Transformer,
+    "mixtral": Transformer,
+    "olmoe": Transformer,
 }
 
 

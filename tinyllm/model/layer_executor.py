@@ -19,7 +19,7 @@ import logging
 from tinyllm.model.attention import AttentionBackend
 from tinyllm.model.attention.cpu import CPUBackend
 from tinyllm.model.choices import LAYER_EXECUTORS
-from tinyllm.model.layer_ops import NATIVE_DTYPES
+from tinyllm.model.layer_ops import NATIVE_DTYPES, has_op
 from tinyllm.model.llama import Transformer
 
 log = logging.getLogger("tinyllm")
@@ -31,6 +31,11 @@ def why_not_fused(model: Transformer, backend: AttentionBackend) -> str | None:
         return f"the model is on {model.device.type}, and the fused ops are CPU code"
     if not isinstance(backend, CPUBackend):
         return f"the {backend.name} attention backend (the fused ops run the cpu backend's kernel)"
+    c = model.config
+    if c.qk_norm_all_heads:
+        return f"{c.architecture}'s q/k norms over all heads' width (the fused op norms each head)"
+    if c.num_experts and not has_op("decoder_moe"):
+        return "mixture-of-experts layers (this build of the C++ library has no decoder_moe op)"
     if model.dtype not in NATIVE_DTYPES:
         dtype = str(model.dtype).removeprefix("torch.")
         return f"{dtype} activations (the fused ops take float32 and bfloat16)"

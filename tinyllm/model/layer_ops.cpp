@@ -134,15 +134,24 @@ void rotary(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor
   });
 }
 
-// out (N, F) = silu(x[:, :F]) * x[:, F:] for x (N, 2F): the gate and up projections, fused.
-void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
-  check_array("silu_and_mul", "x", x, x.scalar_type());
-  check_array("silu_and_mul", "out", out, x.scalar_type());
-  TORCH_CHECK(out.dim() >= 1, "silu_and_mul: out must have at least 1 dim, not ", out.sizes());
+namespace {
+
+// Checks out (N, F) against x (N, 2F), the gate and up projections side by side, for `op`.
+void check_gated(const char* op, const at::Tensor& out, const at::Tensor& x) {
+  check_array(op, "x", x, x.scalar_type());
+  check_array(op, "out", out, x.scalar_type());
+  TORCH_CHECK(out.dim() >= 1, op, ": out must have at least 1 dim, not ", out.sizes());
   std::vector<int64_t> gate_up = out.sizes().vec();
   gate_up.back() *= 2;
-  TORCH_CHECK(x.sizes() == at::IntArrayRef(gate_up), "silu_and_mul: x ", x.sizes(), " must be ",
+  TORCH_CHECK(x.sizes() == at::IntArrayRef(gate_up), op, ": x ", x.sizes(), " must be ",
               at::IntArrayRef(gate_up), ": out's rows, twice as wide");
+}
+
+}  // namespace
+
+// out (N, F) = silu(x[:, :F]) * x[:, F:] for x (N, 2F): the gate and up projections, fused.
+void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
+  check_gated("silu_and_mul", out, x);
   if (out.numel() == 0) return;  // no rows, or rows of no features
   const int64_t f = out.size(-1), rows = out.numel() / f;
   // exp(-gate) a chunk at a time, then the quotients, in two loops: in one, GCC also computes
@@ -170,6 +179,30 @@ void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
   });
 }
 
+// out (N, F) = gelu_tanh(x[:, :F]) * x[:, F:] for x (N, 2F): Gemma's GeGLU, with GELU's tanh
+// approximation 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), as torch's
+// gelu(approximate="tanh") computes it; rounded after the GELU as torch's two ops round.
+void gelu_tanh_and_mul(const at::Tensor& out, const at::Tensor& x) {
+  check_gated("gelu_tanh_and_mul", out, x);
+  if (out.numel() == 0) return;
+  const int64_t f = out.size(-1), rows = out.numel() / f;
+  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;  // sqrt(2 / pi)
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gelu_tanh_and_mul", [&] {
+    const scalar_t* in = x.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t *g = in + r * 2 * f, *u = g + f;
+        for (int64_t i = 0; i < f; ++i) {
+          const float a = f32(g[i]);
+          const float gelu = 0.5f * a * (1.f + std::tanh(kBeta * (a + kKappa * a * a * a)));
+          o[r * f + i] = static_cast<scalar_t>(f32(static_cast<scalar_t>(gelu)) * f32(u[i]));
+        }
+      }
+    });
+  });
+}
+
 }  // namespace tinyllm
 
 TORCH_LIBRARY_FRAGMENT(tinyllm, m) {
@@ -179,4 +212,5 @@ TORCH_LIBRARY_FRAGMENT(tinyllm, m) {
         "-> ()",
         &tinyllm::rotary);
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()", &tinyllm::silu_and_mul);
+  m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor x) -> ()", &tinyllm::gelu_tanh_and_mul);
 }

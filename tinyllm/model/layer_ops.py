@@ -1,15 +1,19 @@
 """A decoder layer's element-wise steps: RMSNorm (with the residual add before it), rotary
-embedding and SiLU-and-multiply.
+embedding, and SiLU- or tanh-GELU-and-multiply (SwiGLU's and Gemma's GeGLU's activations);
+and a mixture-of-experts layer's experts (moe_experts).
 
 On the CPU each is one C++ op (layer_ops.cpp) where tinyllm's CPU library builds; elsewhere, and
 as the tests' oracle, the same steps in torch. Both compute in fp32 and give the tensor's dtype.
 """
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from tinyllm.model.cpu_library import library_error
+from tinyllm.model.quant import GROUP, TILE
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -71,3 +75,71 @@ def silu_and_mul(x: Tensor) -> Tensor:
 def silu_and_mul_torch(x: Tensor) -> Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: Tensor) -> Tensor:
+    """gelu_tanh(gate) * up for x = [gate | up] (N, 2F): Gemma's GeGLU, GELU's tanh approximation
+    (transformers' gelu_pytorch_tanh)."""
+    if native(x) and x.is_contiguous():
+        out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+        torch.ops.tinyllm.gelu_tanh_and_mul(out, x)
+        return out
+    return gelu_tanh_and_mul_torch(x)
+
+
+def gelu_tanh_and_mul_torch(x: Tensor) -> Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+@functools.cache
+def has_op(name: str) -> bool:
+    """Whether tinyllm's CPU library is loaded and registers torch.ops.tinyllm.`name` (an op a
+    newer build adds; looked up once per process)."""
+    return library_error() is None and hasattr(torch.ops.tinyllm, name)
+
+
+def moe_experts(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    gate_up: list[Tensor],
+    down: list[Tensor],
+    intermediate: int,
+) -> Tensor:
+    """A mixture-of-experts layer's output for x (N, hidden): for each token t, the sum over
+    j = 0..k-1 (in that order, in fp32) of topk_weights[t, j] times expert topk_ids[t, j]'s
+    SwiGLU MLP on x[t], rounded once to x's dtype. gate_up[e], down[e]: expert e's weights as
+    layers.op_weight gives them (dense, or QuantLinear's packed records); `intermediate`: an
+    expert's FFN width. Each chosen expert runs once over the rows that chose it."""
+    if native(x) and x.is_contiguous() and has_op("moe_experts"):
+        return torch.ops.tinyllm.moe_experts(x, topk_ids, topk_weights, gate_up, down, intermediate)
+    return moe_experts_torch(x, topk_ids, topk_weights, gate_up, down, intermediate)
+
+
+def _expert_linear(x: Tensor, w: Tensor, n: int) -> Tensor:
+    """x W^T for an expert's weight: dense, or packed records (model/quant.py's pack, whose
+    record holds TILE rows of GROUP codes at `bits` bits and their fp16 scales and offsets)."""
+    if w.dtype != torch.uint8:
+        return F.linear(x, w)
+    bits = (w.shape[-1] - 4 * TILE) * 8 // (TILE * GROUP)
+    return torch.ops.tinyllm.quant_linear(x, w, n, bits)
+
+
+def moe_experts_torch(x, topk_ids, topk_weights, gate_up, down, intermediate):
+    n, k = topk_ids.shape
+    hidden = x.shape[1]
+    # Each (token, choice)'s weighted expert output, summed over the choices in order below.
+    parts = torch.zeros(n * k, hidden, dtype=torch.float32, device=x.device)
+    choices, weights = topk_ids.flatten(), topk_weights.flatten().float()
+    for e in choices.unique().tolist():
+        slots = (choices == e).nonzero().squeeze(1)
+        rows = x[slots // k].contiguous()
+        act = silu_and_mul(_expert_linear(rows, gate_up[e], 2 * intermediate))
+        out = _expert_linear(act, down[e], hidden)
+        parts[slots] = out.float() * weights[slots, None]
+    parts = parts.view(n, k, hidden)
+    total = parts[:, 0].clone()
+    for j in range(1, k):
+        total += parts[:, j]
+    return total.to(x.dtype)

@@ -56,14 +56,20 @@ def _longrope_inv_freq(inv_freq: Tensor, scaling: dict, context: int) -> Tensor:
 class Rope:
     """Rotary embedding tables: cos and sin of each position's angles, (positions, rotary dims /
     2) in fp32, for layer_ops.rotary. `context`: the longest sequence served (max_model_len;
-    None: the model's context), which picks LongRoPE's factors."""
+    None: the model's context), which picks LongRoPE's factors. `local`: the sliding layers'
+    own tables (Gemma 3): config.rope_local_theta's base, unscaled."""
 
     def __init__(
-        self, config: ModelConfig, device: torch.device | str = "cpu", context: int | None = None
+        self,
+        config: ModelConfig,
+        device: torch.device | str = "cpu",
+        context: int | None = None,
+        local: bool = False,
     ):
         d = config.rotary_dim or config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-        scaling = config.rope_scaling or {}
+        theta = config.rope_local_theta if local else config.rope_theta
+        inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        scaling = {} if local else config.rope_scaling or {}
         kind = scaling.get("rope_type", scaling.get("type"))
         # LongRoPE scales q and k by a factor each, so attention logits by its square.
         attention_factor = scaling.get("attention_factor", 1.0)
@@ -85,22 +91,27 @@ class Rope:
 
 
 class Attention(nn.Module):
-    """Self-attention of layer `layer`: qkv_proj, Qwen3's per-head q/k norms where the config has
-    them, rotary, the backend's attention over the layer's paged K/V cache, o_proj."""
+    """Self-attention of layer `layer`: qkv_proj, Qwen3's (and Gemma 3's) per-head q/k norms where
+    the config has them, rotary, the backend's attention over the layer's paged K/V cache (Gemma
+    2's scores soft-capped), o_proj."""
 
     def __init__(self, c: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
         self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.scale = c.head_dim**-0.5
+        self.scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
+        self.softcap = c.attn_logit_softcapping
         self.window = c.layer_window(layer)  # its sliding window; None: the whole context
         # q, k and v as one matrix product (fuse_projections stacks Hugging Face's three).
         width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         self.qkv_proj = nn.Linear(c.hidden_size, width, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
-        if c.qk_norm:
-            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        if c.qk_norm:  # per head (Qwen3), or over all heads' width (OLMoE)
+            q_width = k_width = c.head_dim
+            if c.qk_norm_all_heads:
+                q_width, k_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+            self.q_norm = RMSNorm(q_width, c.rms_norm_eps)
+            self.k_norm = RMSNorm(k_width, c.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
@@ -108,26 +119,32 @@ class Attention(nn.Module):
         N, H, KV, D = x.shape[0], self.n_heads, self.n_kv, self.head_dim
         qkv = self.qkv_proj(x)
         q, k, v = qkv.view(N, H + 2 * KV, D).split([H, KV, KV], dim=1)
-        if self.q_norm is not None:  # Qwen3: per head, before the rotation
-            q.copy_(self.q_norm(q))
-            k.copy_(self.k_norm(k))
+        if self.q_norm is not None:  # before the rotation; per head, or over q's whole row
+            # Rows of the norm's width, contiguous: the kernel's per-row order, whatever N is.
+            for x, norm in ((q, self.q_norm), (k, self.k_norm)):
+                x.copy_(norm(x.reshape(-1, norm.weight.numel()).contiguous()).view_as(x))
         layer_ops.rotary(qkv, positions, rope.cos, rope.sin, H + KV, D)
         k_cache, v_cache = ctx.kv_caches[self.layer]
-        out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale, self.window)
+        out = ctx.backend.forward(
+            q, k, v, k_cache, v_cache, ctx.meta, self.scale, self.window, self.softcap
+        )
         return self.o_proj(out.reshape(N, -1))
 
 
 class MLP(nn.Module):
-    """The gated MLP: down_proj(silu(gate_proj(x)) * up_proj(x)), gate and up as one product."""
+    """The gated MLP: down_proj(act(gate_proj(x)) * up_proj(x)), gate and up as one product; act
+    is SiLU (SwiGLU) or GELU's tanh approximation (Gemma's GeGLU)."""
 
     def __init__(self, c: ModelConfig):
         super().__init__()
+        gelu = c.hidden_act == "gelu_pytorch_tanh"
+        self.act_and_mul = layer_ops.gelu_tanh_and_mul if gelu else layer_ops.silu_and_mul
         # gate and up as one matrix product (fuse_projections stacks them).
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(layer_ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 def op_weight(linear: nn.Module) -> Tensor:
@@ -142,15 +159,33 @@ STACKED = {
 }
 
 
+# A mixture-of-experts layer's experts (model/moe.py): each stacks its gate and up as the MLP.
+EXPERT_STACKED = ("gate_up_proj", ("gate_proj", "up_proj"))
+
+
+def expert_prefix(name: str) -> str | None:
+    """`model.layers.N.mlp.experts.E.` for a name under an expert, else None."""
+    head, sep, rest = name.partition(".mlp.experts.")
+    expert = rest.partition(".")[0]
+    return f"{head}{sep}{expert}." if sep and expert.isdigit() else None
+
+
 def fuse_projections(state_dict: dict, num_layers: int) -> dict:
     """Hugging Face's separate q/k/v and gate/up weights (and biases) stacked into the model's
-    qkv_proj and gate_up_proj; a state dict that has them stacked already is returned as is."""
+    qkv_proj and gate_up_proj, the experts' gate/up too; a state dict that has them stacked
+    already is returned as is."""
     fused = dict(state_dict)
-    for i in range(num_layers):
-        for own, parts in STACKED.items():
-            for kind in ("weight", "bias"):
-                names = [f"model.layers.{i}.{part}.{kind}" for part in parts]
-                if all(n in fused for n in names):
-                    stacked = cat_rows([fused.pop(n) for n in names])
-                    fused[f"model.layers.{i}.{own}.{kind}"] = stacked
+    stacks = [
+        (f"model.layers.{i}.{own}", [f"model.layers.{i}.{part}" for part in parts])
+        for i in range(num_layers)
+        for own, parts in STACKED.items()
+    ]
+    own, parts = EXPERT_STACKED
+    experts = {expert_prefix(name) for name in state_dict} - {None}
+    stacks += [(p + own, [p + part for part in parts]) for p in sorted(experts)]
+    for own, parts in stacks:
+        for kind in ("weight", "bias"):
+            names = [f"{part}.{kind}" for part in parts]
+            if all(n in fused for n in names):
+                fused[f"{own}.{kind}"] = cat_rows([fused.pop(n) for n in names])
     return fused

@@ -13,11 +13,14 @@ metadata. Under tensor parallelism the same model holds one rank's part (ModelCo
 model/tensor_parallel.apply_tp gives each layer the all-reduce it calls after o_proj and
 down_proj.
 
+Mixture-of-experts families (Qwen3-MoE, Mixtral, OLMoE) are this model with model/moe.py's
+SparseMoE in place of the MLP on the layers their config marks (ModelConfig.is_moe_layer).
+
 A decoder layer runs as its modules or as two C++ ops from the same kernels
 (model/decoder_layer.cpp): which is set once for the whole model (Transformer.set_layer_executor,
 from model/layer_executor.py's choice) and is a detail inside DecoderLayer.forward. The ops'
 arguments besides the step's are the layer's AttentionArgs and MLPArgs, named as the ops'
-schemas name them and gathered once at load.
+schemas name them and gathered once at load (a MoE layer's MLP op is decoder_moe, with MoEArgs).
 """
 
 from collections.abc import Callable
@@ -29,6 +32,7 @@ from torch import Tensor, nn
 from tinyllm.model.attention import ForwardContext
 from tinyllm.model.config import ModelConfig
 from tinyllm.model.layers import MLP, Attention, RMSNorm, Rope, fuse_projections, op_weight
+from tinyllm.model.moe import MoEArgs, SparseMoE
 
 
 class AttentionArgs(NamedTuple):
@@ -44,6 +48,10 @@ class AttentionArgs(NamedTuple):
     eps: float
     scale: float
     window: int | None  # the layer's sliding window; None: the whole context
+    # Gemma (model/gemma.py): the previous layer's post-feedforward norm, applied to `hidden`
+    # before its add; Gemma 2's attention-logit soft-capping.
+    hidden_norm: Tensor | None = None
+    softcap: float | None = None
 
 
 class MLPArgs(NamedTuple):
@@ -52,6 +60,8 @@ class MLPArgs(NamedTuple):
     weights: list[Tensor]  # post_attention_layernorm, gate_up_proj, down_proj
     intermediate: int
     eps: float
+    o_norm: Tensor | None = None  # Gemma's post-attention norm, applied to `o` before its add
+    activation: str = "silu"  # or "gelu_tanh" (Gemma's GeGLU)
 
 
 class DecoderLayer(nn.Module):
@@ -61,12 +71,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c, layer)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
+        self.mlp = SparseMoE(c) if c.is_moe_layer(layer) else MLP(c)
         # forward runs the C++ ops, not the modules (Transformer.set_layer_executor).
         self.fused = False
         # The ops' own arguments, once loaded (load_op_args).
         self.attention_args: AttentionArgs | None = None
-        self.mlp_args: MLPArgs | None = None
+        self.mlp_args: MLPArgs | MoEArgs | None = None
         # Sums, in place, a row-parallel projection's (o_proj's, down_proj's) partial output
         # over the tensor-parallel ranks, before its residual add; None (one process holds the
         # whole model): nothing to sum. Set by model/tensor_parallel.apply_tp.
@@ -87,7 +97,20 @@ class DecoderLayer(nn.Module):
             scale=a.scale,
             window=a.window,
         )
-        norm, gate_up, down = self.post_attention_layernorm, mlp.gate_up_proj, mlp.down_proj
+        norm = self.post_attention_layernorm
+        if isinstance(mlp, SparseMoE):
+            mlp.gather()
+            self.mlp_args = MoEArgs(
+                weights=[norm.weight, mlp.gate.weight],
+                gate_up=mlp.gate_up,
+                down=mlp.down,
+                top_k=mlp.top_k,
+                norm_topk_prob=mlp.norm_topk_prob,
+                intermediate=mlp.intermediate,
+                eps=c.rms_norm_eps,
+            )
+            return
+        gate_up, down = mlp.gate_up_proj, mlp.down_proj
         self.mlp_args = MLPArgs(
             weights=[norm.weight, op_weight(gate_up), op_weight(down)],
             intermediate=c.intermediate_size,
@@ -115,7 +138,10 @@ class DecoderLayer(nn.Module):
             )  # fmt: skip
             if self.all_reduce is not None:
                 self.all_reduce(o)
-            out = torch.ops.tinyllm.decoder_mlp(o, residual, *self.mlp_args)
+            if isinstance(self.mlp_args, MoEArgs):
+                out = torch.ops.tinyllm.decoder_moe(o, residual, *self.mlp_args)
+            else:
+                out = torch.ops.tinyllm.decoder_mlp(o, residual, *self.mlp_args)
             if self.all_reduce is not None:
                 self.all_reduce(out)
             return out, residual

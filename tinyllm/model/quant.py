@@ -22,6 +22,9 @@ from tinyllm.model.precision import QUANTIZATIONS
 
 GROUP = 32  # weights per scale
 TILE = 16  # output rows the kernel computes together, one per vector lane
+# Linears quantize_linears leaves dense: a mixture-of-experts router (model/moe.py), whose few
+# rows choose the experts; rounding them would change which.
+DENSE_LINEARS = (".mlp.gate",)
 
 
 @dataclass
@@ -230,7 +233,8 @@ def quantize_linears(
     unpacked codes beside the packed model, not every layer's (pass a copy to keep it).
 
     mode "int4": the decoder layers' linears in 4 bits; the LM head in 8, as llama.cpp's
-    quantizers keep the output layer at 6-8 bits. mode "int8": every linear in 8 bits. A tied
+    quantizers keep the output layer at 6-8 bits. mode "int8": every linear in 8 bits. MoE
+    routers stay dense in both (DENSE_LINEARS). A tied
     LM head's rows also serve as the token embeddings. With `keep_stored` (quantization "auto"
     on a GGUF file), weights the file stores at 5-8 bits stay 8-bit in "int4": a Q4_K_M file's
     Q5_0 and Q6_K tensors, rounded again to 4 bits, change its greedy answers.
@@ -242,7 +246,7 @@ def quantize_linears(
         if tied:
             state_dict.setdefault("lm_head.weight", state_dict.pop("model.embed_tokens.weight"))
         for name, module in list(model.named_modules()):
-            if not isinstance(module, nn.Linear):
+            if not isinstance(module, nn.Linear) or name.endswith(DENSE_LINEARS):
                 continue
             bits = 8 if name == "lm_head" or mode == "int8" else 4
             w, bias = state_dict.pop(f"{name}.weight"), state_dict.pop(f"{name}.bias", None)

@@ -8,7 +8,7 @@
 
 import importlib
 
-__all__ = ["best_seconds", "copy_bandwidth", "gemm_flops"]
+__all__ = ["best_seconds", "read_bandwidth", "gemm_flops"]
 
 
 def __getattr__(name: str):

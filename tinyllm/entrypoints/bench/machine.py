@@ -1,5 +1,5 @@
 """The machine's own limits, measured in the same run as the engines: its fp32 GEMM rate (what
-batched work is bound by) and its copy bandwidth (what single-stream decode is bound by)."""
+batched work is bound by) and its read bandwidth (what single-stream decode is bound by)."""
 
 import time
 from collections.abc import Callable
@@ -14,7 +14,7 @@ class Machine:
     threads: int
     cpu_capability: str  # torch's: "AVX2", "AVX512", ...; the kernels torch picked
     gemm_flops: float  # FLOP/s
-    copy_bandwidth: float  # bytes/s
+    read_bandwidth: float  # bytes/s
 
 
 def best_seconds(fn: Callable[[], object], reps: int = 5) -> float:
@@ -46,12 +46,11 @@ def gemm_flops(device: torch.device, n: int = 2048) -> float:
     return 2 * n**3 / best_seconds(_synced(lambda: a @ b, device))
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = 1 << 28) -> float:
-    """Bytes per second a large copy reads (and writes): the rate any streaming read is
-    bound by."""
+def read_bandwidth(device: torch.device, nbytes: int = 1 << 28) -> float:
+    """Bytes per second a large sum reads: a read-only stream, as decode reads its weights. A
+    copy would also write as many bytes, and measure about half the rate."""
     src = torch.ones(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-    return nbytes / best_seconds(_synced(lambda: dst.copy_(src), device))
+    return nbytes / best_seconds(_synced(src.sum, device))
 
 
 def measure_machine(device: torch.device) -> Machine:
@@ -60,5 +59,5 @@ def measure_machine(device: torch.device) -> Machine:
         threads=torch.get_num_threads(),
         cpu_capability=torch.backends.cpu.get_cpu_capability(),
         gemm_flops=gemm_flops(device),
-        copy_bandwidth=copy_bandwidth(device),
+        read_bandwidth=read_bandwidth(device),
     )

@@ -47,6 +47,7 @@ from tinyllm.entrypoints.workloads import (
 )
 from tinyllm.model.config import ModelConfig
 from tinyllm.model.llama import Transformer
+from tinyllm.model.moe import SparseMoE
 from tinyllm.model.quant import describe_weights
 
 if TYPE_CHECKING:
@@ -55,11 +56,16 @@ if TYPE_CHECKING:
 
 def workload_flops(c: ModelConfig, requests: list[Request]) -> float:
     """FLOPs the workload needs, whatever the engine: 2 x params per token for the linear layers
-    (every token but the last generated one passes through them), 2 x the LM head per generated
-    token, and QK^T plus PV against each token's own context. Padding is not counted."""
+    (every token but the last generated one passes through them; of a mixture-of-experts layer,
+    the router and the experts a token runs), 2 x the LM head per generated token, and QK^T plus
+    PV against each token's own context. Padding is not counted."""
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    per_layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
-    layer_params = c.num_layers * per_layer
+    attention = c.hidden_size * (2 * q + 2 * kv)
+    dense_ffn = 3 * c.hidden_size * c.intermediate_size
+    moe_ffn = c.hidden_size * (c.num_experts + 3 * c.num_experts_per_tok * c.moe_intermediate_size)
+    layer_params = sum(
+        attention + (moe_ffn if c.is_moe_layer(i) else dense_ffn) for i in range(c.num_layers)
+    )
     head = c.vocab_size * c.hidden_size
     attn_per_key = 4 * c.num_layers * c.num_heads * c.head_dim
     total = 0
@@ -69,14 +75,23 @@ def workload_flops(c: ModelConfig, requests: list[Request]) -> float:
     return total
 
 
+def _bytes(module: torch.nn.Module) -> int:
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def weight_bytes_per_token(model: Transformer) -> int:
-    """The weight bytes one decode step reads, as stored (dense, int8 or packed int4): every
-    parameter and buffer but an untied embedding table, of which a step reads one row a token."""
-    tensors = [*model.parameters(), *model.buffers()]
-    total = sum(t.numel() * t.element_size() for t in tensors)
+    """The weight bytes one decode step of one token reads, as stored (dense, int8 or packed
+    int4): every parameter and buffer but an untied embedding table, of which a step reads one
+    row a token, and of each mixture-of-experts layer's experts only the token's top-k."""
+    total = _bytes(model)
     embed = model.model.embed_tokens
     if not model.config.tie_word_embeddings and isinstance(embed, torch.nn.Embedding):
         total -= embed.weight.numel() * embed.weight.element_size()
+    c = model.config
+    for moe in (m for m in model.modules() if isinstance(m, SparseMoE)):
+        idle = 1 - c.num_experts_per_tok / c.num_experts
+        total -= round(idle * _bytes(moe.experts))
     return total
 
 
@@ -319,7 +334,7 @@ def run_bench(args: argparse.Namespace) -> None:
         args.workload, model_config.vocab_size, args.seed, args.num_requests, llm.tokenizer
     )
     conversations = [requests[i : i + turns] for i in range(0, len(requests), turns)]
-    _phase(f"measuring the machine: fp32 GEMM rate and copy bandwidth ({device.type})")
+    _phase(f"measuring the machine: fp32 GEMM rate and read bandwidth ({device.type})")
     machine = measure_machine(device)
 
     def run(

@@ -73,8 +73,8 @@ class OfflineResult:
     @property
     def bandwidth_bound(self) -> float:
         """Decode steps per second if each did nothing but read tinyllm's weights at the
-        measured copy bandwidth."""
-        return self.machine.copy_bandwidth / self.weight_bytes
+        measured read bandwidth."""
+        return self.machine.read_bandwidth / self.weight_bytes
 
     @property
     def ratios(self) -> tuple[float, float] | None:
@@ -108,9 +108,9 @@ def summary(res: OfflineResult) -> str:
         f"{first.prompt_tokens} prompt + {first.output_tokens} output tokens, "
         f"{res.flops / 1e12:.2f} TFLOP",
         f"machine: {m.device} ({m.cpu_capability}), {threads(m.threads)}, "
-        f"fp32 GEMM {m.gemm_flops / 1e9:.1f} GFLOP/s, copy {m.copy_bandwidth / 1e9:.1f} GB/s",
+        f"fp32 GEMM {m.gemm_flops / 1e9:.1f} GFLOP/s, read {m.read_bandwidth / 1e9:.1f} GB/s",
         f"tinyllm: {res.weights}, {res.weight_bytes / 2**20:.0f} MiB of weights read per "
-        f"decode step: at the copy bandwidth, at most {res.bandwidth_bound:.0f} steps/s",
+        f"decode step: at the read bandwidth, at most {res.bandwidth_bound:.0f} steps/s",
         _row(_COLUMNS + ["% peak", "TTFT ms", "hit %"]),
     ]
     for r in res.runs:
@@ -223,7 +223,7 @@ def to_json(res: OfflineResult) -> dict:
             "threads": m.threads,
             "cpu_capability": m.cpu_capability,
             "gemm_gflops": m.gemm_flops / 1e9,
-            "copy_gb_per_s": m.copy_bandwidth / 1e9,
+            "read_gb_per_s": m.read_bandwidth / 1e9,
         },
         "engine_args": res.engine_args,
         "tinyllm": _run_json(first, res),

@@ -28,7 +28,9 @@ class AttentionBackend:
 
     Subclasses implement `attend`. Shapes: q (N, Hq, D), k/v (N, Hkv, D) with Hq a multiple of
     Hkv (grouped-query attention); caches (num_blocks + 1, block_size, Hkv, D). `window`: a
-    layer's sliding window (ModelConfig.sliding_window), None for the whole context."""
+    layer's sliding window (ModelConfig.sliding_window), None for the whole context. `softcap`:
+    each scaled score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2's
+    attn_logit_softcapping), None: as it is."""
 
     name = "base"
     supports_sliding_window = True  # whether `attend` honours a window (get_backend checks)
@@ -43,9 +45,10 @@ class AttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> Tensor:
         self.write(k, v, k_cache, v_cache, meta)
-        return self.attend(q, k, v, k_cache, v_cache, meta, scale, window)
+        return self.attend(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
 
     @staticmethod
     def write(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata):
@@ -64,6 +67,7 @@ class AttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> Tensor:
         """Attention output (N, Hq, D). The new tokens' K/V are already in the cache; `k` and
         `v` are passed too, for rows whose whole context is new (a first prefill chunk). With

@@ -47,14 +47,23 @@ class CPUBackend(AttentionBackend):
         self.reference = ReferenceBackend()
 
     def attend(
-        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window=None
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        window=None,
+        softcap=None,
     ) -> Tensor:
         if not _native(q, k_cache, v_cache):
-            return self.reference.attend(q, k, v, k_cache, v_cache, meta, scale, window)
+            return self.reference.attend(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
         out = q.new_empty(q.shape)
         tables, lens, starts = meta.block_tables, meta.seq_lens, meta.query_start_loc
         self.kernel(out, q, k_cache, v_cache, None, None, None, tables, lens, starts,
-                    meta.num_rows, scale, window)  # fmt: skip
+                    meta.num_rows, scale, window, softcap)  # fmt: skip
         return out
 
 

@@ -145,6 +145,7 @@ struct Step {
   const int64_t *tables, *lens, *starts;
   float scale;
   int64_t window;  // keys a query sees, itself included; no sliding window: the most int64 holds
+  float softcap;   // scores become softcap * tanh(score / softcap) (Gemma 2); 0: as they are
 
   int64_t head_dim() const { return kD ? kD : D; }
   int64_t padded() const { return padded_dim(head_dim()); }
@@ -195,12 +196,13 @@ struct InPlace {
 // One query head's step over a tile: its query `q` and state (output so far `a`, max, sum), the
 // tile's keys [from, cnt) (those it may see: `from` > 0 where its window starts in the tile, and
 // from < cnt), rows of P floats (P: the head dim padded to a multiple of kVecs vectors, the
-// padding zeros; kP: P when known at compile time, else 0).
+// padding zeros; kP: P when known at compile time, else 0). A `softcap` above 0 squashes each
+// score into (-softcap, softcap) by tanh before the softmax, key by key.
 // Every query runs exactly this, on nothing but its own values, however many queries share the
 // tile: the arithmetic that makes a token's bits independent of its item.
 template <int64_t kP, typename Rows>
 void attend_tile(const float* __restrict q, float* __restrict a, float& m, float& l, Rows k,
-                 Rows v, int64_t from, int64_t cnt, int64_t padded) {
+                 Rows v, int64_t from, int64_t cnt, int64_t padded, float softcap) {
   const int64_t P = kP ? kP : padded;
   alignas(64) float p[kTile];
   // Scores kW keys at a time: each key's products summed as vectors along the head dim, then
@@ -214,6 +216,9 @@ void attend_tile(const float* __restrict q, float* __restrict a, float& m, float
       for (int64_t x = kW; x < P; x += kW) s[t] += load(q + x) * load(kt + x);
     }
     store(p + t0, sum_lanes<kW / 2>(s));
+    if (softcap > 0.f) {
+      for (int t = 0; t < kW; ++t) p[t0 + t] = softcap * std::tanh(p[t0 + t] / softcap);
+    }
   }
   // The whole tile in these loops (a fixed trip count vectorizes cleanly, where a loop to cnt
   // would be a chain of scalar maxima), the lanes outside [from, cnt) masked: they hold other
@@ -313,11 +318,11 @@ void attend_queries(const Step<kD, T>& c, int64_t row, int64_t tok, int64_t nq, 
       for (int64_t h = 0, x = j * G; h < G; ++h, ++x) {
         if constexpr (kInPlace) {
           attend_tile<kD>(qf + x * P, acc + x * P, w.m[x], w.l[x], InPlace{k_rows},
-                          InPlace{v_rows}, from, seen, P);
+                          InPlace{v_rows}, from, seen, P, c.softcap);
         } else {
           attend_tile<kD ? padded_dim(kD) : 0>(qf + x * P, acc + x * P, w.m[x], w.l[x],
                                            Packed{w.k.data(), P}, Packed{w.v.data(), P}, from,
-                                           seen, P);
+                                           seen, P, c.softcap);
         }
       }
     }
@@ -357,13 +362,13 @@ template <int64_t kD, typename T>
 void attend_impl(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                  const at::Tensor& v_cache, const at::Tensor& block_tables,
                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_rows,
-                 double scale, int64_t window) {
+                 double scale, int64_t window, double softcap) {
   const int64_t Hkv = k_cache.size(2), G = q.size(1) / Hkv, D = q.size(2);
   const Step<kD, T> c{q.size(1), D, k_cache.size(1), Hkv, G, block_tables.size(1), q.stride(0),
                       q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
                       out.data_ptr<T>(), block_tables.data_ptr<int64_t>(),
                       seq_lens.data_ptr<int64_t>(), query_start_loc.data_ptr<int64_t>(),
-                      static_cast<float>(scale), window};
+                      static_cast<float>(scale), window, static_cast<float>(softcap)};
   // Tokens per item: kQueries, or fewer where the step's rows would give its threads too few
   // items to share evenly. A verified row of 7 tokens is one item per KV head, 3 for the
   // default model: at two threads one thread would do 2 and the other 1; in chunks of 4 it is
@@ -407,10 +412,10 @@ template <typename T>
 void attend_typed(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_rows,
-                  double scale, int64_t window) {
+                  double scale, int64_t window, double softcap) {
   auto run = [&](auto kD) {
     attend_impl<decltype(kD)::value, T>(out, q, k_cache, v_cache, block_tables, seq_lens,
-                                        query_start_loc, num_rows, scale, window);
+                                        query_start_loc, num_rows, scale, window, softcap);
   };
   switch (q.size(2)) {  // the common head dims get unrolled loops
     case 64: return run(std::integral_constant<int64_t, 64>{});
@@ -522,26 +527,30 @@ namespace tinyllm {
 // slot_mapping, the step's new K/V rows are written into the caches first; without, the caches
 // already hold every row's context, this step's new tokens included. q's rows may be strided.
 // With a sliding window, the query at position p attends to keys max(0, p - window + 1)..p.
+// With `softcap`, each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2's).
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const std::optional<at::Tensor>& k,
                      const std::optional<at::Tensor>& v,
                      const std::optional<at::Tensor>& slot_mapping,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, int64_t num_rows, double scale,
-                     std::optional<int64_t> window) {
+                     std::optional<int64_t> window, std::optional<double> softcap) {
   check_step(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_rows);
   TORCH_CHECK(k.has_value() == v.has_value() && k.has_value() == slot_mapping.has_value(),
               "paged_attention: k, v and slot_mapping come together");
   TORCH_CHECK(!window || *window >= 1, "paged_attention: window ", window.value_or(0),
               " must be >= 1 (a query sees at least itself)");
+  TORCH_CHECK(!softcap || *softcap > 0, "paged_attention: softcap ", softcap.value_or(0),
+              " must be > 0");
   const int64_t keys = window.value_or(std::numeric_limits<int64_t>::max());
+  const double cap = softcap.value_or(0);
   if (k) write_cache(k_cache, v_cache, *k, *v, *slot_mapping, q.size(0));
   if (q.scalar_type() == at::kFloat) {
     attend_typed<float>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                        num_rows, scale, keys);
+                        num_rows, scale, keys, cap);
   } else {
     attend_typed<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens,
-                                query_start_loc, num_rows, scale, keys);
+                                query_start_loc, num_rows, scale, keys, cap);
   }
 }
 
@@ -553,6 +562,7 @@ TORCH_LIBRARY(tinyllm, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor(b!) k_cache, Tensor(c!) v_cache, "
       "Tensor? k, Tensor? v, Tensor? slot_mapping, Tensor block_tables, Tensor seq_lens, "
-      "Tensor query_start_loc, int num_rows, float scale, int? window=None) -> ()",
+      "Tensor query_start_loc, int num_rows, float scale, int? window=None, "
+      "float? softcap=None) -> ()",
       &tinyllm::paged_attention);
 }

@@ -52,9 +52,23 @@ class CudaBackend(AttentionBackend):
         self.kernel = kernel
 
     def attend(
-        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window=None
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        window=None,
+        softcap=None,
     ) -> Tensor:
         assert window is None  # get_backend does not pick this backend for a model with one
+        if softcap is not None:  # Gemma 2, which also slides: get_backend picks the reference
+            raise ValueError(
+                "the cuda attention backend has no attention-logit soft-capping (Gemma 2's); "
+                "use attention_backend='reference'"
+            )
         # The kernel steps through head_dim with unit stride and shares one set of cache strides.
         assert q.stride(-1) == k_cache.stride(-1) == 1 and v_cache.stride() == k_cache.stride()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

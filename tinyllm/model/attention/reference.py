@@ -20,16 +20,52 @@ def gather_blocks(cache: Tensor, table: Tensor) -> Tensor:
     return cache.index_select(0, table.reshape(-1)).view(R, B * bs, H, D)
 
 
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> Tensor:
+    """SDPA over (B, Hq, n, D) queries and (B, Hkv, S, D) keys and values, `mask` (None: causal);
+    with `softcap`, written out, as SDPA has no soft-capping: scores scaled, then softcap *
+    tanh(scores / softcap), masked, softmax in fp32 (transformers' eager order)."""
+    if softcap is None:
+        is_causal = mask is None
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
+        )
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        n, s = q.shape[2], k.shape[2]
+        mask = torch.ones(n, s, dtype=torch.bool, device=q.device).tril(s - n)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
 class ReferenceBackend(AttentionBackend):
     name = "reference"
 
     def attend(
-        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window=None
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        window=None,
+        softcap=None,
     ) -> Tensor:
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap)
         bs = k_cache.shape[1]
         start = nd
         for r in range(nd, meta.num_rows):
@@ -48,14 +84,8 @@ class ReferenceBackend(AttentionBackend):
                 rows = torch.arange(L - n, L, device=q.device)[:, None]
                 keys = torch.arange(L, device=q.device)[None, :]
                 mask = (keys <= rows) & (keys > rows - (window or L))
-            o = F.scaled_dot_product_attention(
-                qr,
-                kr.transpose(0, 1)[None],
-                vr.transpose(0, 1)[None],
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=scale,
-                enable_gqa=True,
+            o = attention(
+                qr, kr.transpose(0, 1)[None], vr.transpose(0, 1)[None], mask, scale, softcap
             )
             out[start : start + n] = o[0].transpose(0, 1)
             start += n
@@ -63,7 +93,13 @@ class ReferenceBackend(AttentionBackend):
 
     @staticmethod
     def _decode(
-        q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None
+        q,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None,
+        softcap: float | None,
     ) -> Tensor:
         """All one-token rows at once: gather, mask each row past its length (and before its
         window), one SDPA. The slots past a row's length (its last block's tail, the scratch
@@ -80,12 +116,6 @@ class ReferenceBackend(AttentionBackend):
         hidden = ~visible[:, :, None, None]
         keys = gather_blocks(k_cache, table).masked_fill_(hidden, 0).transpose(1, 2)
         values = gather_blocks(v_cache, table).masked_fill_(hidden, 0).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q[:, :, None],  # (nd, Hq, 1, D)
-            keys,  # (nd, H, S, D)
-            values,
-            attn_mask=visible[:, None, None, :],
-            scale=scale,
-            enable_gqa=True,
-        )
+        # q (nd, Hq, 1, D), keys and values (nd, H, S, D)
+        o = attention(q[:, :, None], keys, values, visible[:, None, None, :], scale, softcap)
         return o[:, :, 0]
