@@ -2,11 +2,12 @@
 tensor names and metadata, so that tinyllm and llama.cpp can be measured on the same file without
 a download (benchmarks/gguf_load_time.py --write does this for dense shapes).
 
-SHAPE is a named shape below (Qwen3-30B-A3B as `qwen3moe`, Mixtral-8x7B as `llama` with experts,
-OLMoE-1B-7B as `olmoe`) or a Hugging Face config.json of one of those model types. Matrices are
-random blocks of one type (Q4_0, Q4_1 or Q8_0) with a plausible scale, the routers F32 (so that
-tokens spread over the experts), the norms ones; the tokenizer is gguf_load_time's byte-level
-one. Tensors are written one at a time, so an 8B..30B-class file never sits in memory.
+SHAPE is one of tinyllm's named configs (loaders/configs) of a MoE model type: qwen3-30b-a3b as
+`qwen3moe`, mixtral-8x7b as `llama` with experts, olmoe-1b-7b as `olmoe`; or a Hugging Face
+config.json of one of those model types. Matrices are random blocks of one type (Q4_0, Q4_1 or
+Q8_0) with a plausible scale, the routers F32 (so that tokens spread over the experts), the
+norms ones; the tokenizer is gguf_load_time's byte-level one. Tensors are written one at a
+time, so an 8B..30B-class file never sits in memory.
 `--layers N` keeps the first N layers, for a file that fits where the full one does not:
 
     python -m benchmarks.moe_gguf olmoe-1b-7b /tmp/olmoe.Q4_0.gguf
@@ -25,32 +26,11 @@ import gguf
 import numpy as np
 
 from benchmarks.gguf_load_time import BLOCK_TYPES, add_byte_tokenizer, random_blocks
+from tinyllm.loaders.dummy import named_configs
 
 Q = gguf.GGMLQuantizationType
 T = gguf.MODEL_TENSOR
 
-# The real models' config.json values that the file's shapes and metadata need.
-SHAPES: dict[str, dict[str, Any]] = {
-    "qwen3-30b-a3b": {
-        "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
-        "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
-        "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
-        "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-    },
-    "mixtral-8x7b": {
-        "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000,
-        "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
-    },
-    "olmoe-1b-7b": {
-        "model_type": "olmoe", "hidden_size": 2048, "intermediate_size": 1024,
-        "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16,
-        "num_experts": 64, "num_experts_per_tok": 8, "vocab_size": 50304,
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-    },
-}  # fmt: skip
 # Hugging Face model_type -> the architecture llama.cpp's converter writes.
 ARCHS = {
     "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
@@ -64,13 +44,21 @@ FILE_TYPES = {
 }
 
 
+def moe_configs() -> dict[str, Path]:
+    """tinyllm's named real configs (loaders/configs) of the model types written here."""
+    return {
+        name: path
+        for name, path in named_configs().items()
+        if json.loads(path.read_text())["model_type"] in ARCHS
+    }
+
+
 def load_shape(shape: str) -> dict[str, Any]:
-    """A named shape's config, or the config.json at path `shape`."""
-    if shape in SHAPES:
-        return SHAPES[shape]
-    path = Path(shape).expanduser()
+    """A named config's values, or those of the config.json at path `shape`."""
+    names = moe_configs()
+    path = names.get(shape) or Path(shape).expanduser()
     if not path.is_file():
-        raise SystemExit(f"no such shape {shape!r}: give a config.json or one of {list(SHAPES)}")
+        raise SystemExit(f"no such shape {shape!r}: give a config.json or one of {list(names)}")
     return json.loads(path.read_text())
 
 
@@ -182,7 +170,7 @@ def write_moe_gguf(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("shape", help=f"one of {', '.join(SHAPES)}, or a config.json")
+    parser.add_argument("shape", help=f"one of {', '.join(moe_configs())}, or a config.json")
     parser.add_argument("out", type=Path, help="the GGUF file to write")
     parser.add_argument("--type", choices=BLOCK_TYPES, default="Q4_0")
     parser.add_argument("--layers", type=int, help="keep only the first N layers")
