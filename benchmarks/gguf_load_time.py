@@ -44,7 +44,7 @@ print(time.time() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 
 """
 
 
-def _blocks(shape: tuple[int, int], qtype: Q, rng: np.random.Generator) -> np.ndarray:
+def random_blocks(shape: tuple[int, int], qtype: Q, rng: np.random.Generator) -> np.ndarray:
     """Random codes with a fixed, plausible scale (and offset): the bytes of `shape`'s blocks."""
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     n_bytes = shape[0] * shape[1] // block_size * type_size
@@ -52,6 +52,22 @@ def _blocks(shape: tuple[int, int], qtype: Q, rng: np.random.Generator) -> np.nd
     for i, value in enumerate(_F16_FIELDS[qtype]):
         blocks[:, 2 * i : 2 * i + 2] = np.array([value], np.float16).view(np.uint8)
     return blocks.reshape(shape[0], -1)
+
+
+def add_byte_tokenizer(writer: gguf.GGUFWriter, vocab_size: int) -> None:
+    """A byte-level BPE vocabulary of `vocab_size` tokens that tinyllm and llama.cpp both load:
+    GPT-2's 256 byte symbols (so any text encodes), one merge (llama.cpp requires the list),
+    then filler tokens; the last token is end-of-sequence."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    shifted = 256 - len(printable)  # the other bytes are spelled chr(256), chr(257), ...
+    symbols = [chr(b) for b in printable] + [chr(256 + i) for i in range(shifted)]
+    space = chr(256 + 32)  # GPT-2 spells the byte 32 (space) as "Ġ"
+    tokens = symbols + [space + "t"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")  # GPT-2's split, a name tinyllm and llama.cpp both know
+    writer.add_token_list(tokens + [f"<t{i}>" for i in range(vocab_size - len(tokens))])
+    writer.add_token_merges([f"{space} t"])
+    writer.add_eos_token_id(vocab_size - 1)
 
 
 def _tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -93,17 +109,13 @@ def write_gguf(path: Path, model: str, qtype: Q, seed: int = 0) -> Path:
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
     writer.add_float32(f"{arch}.rope.freq_base", c.rope_theta)
     writer.add_uint32(f"{arch}.vocab_size", c.vocab_size)
-    # Byte-level BPE: the 256 byte symbols, then filler tokens, no merges.
-    symbols = [chr(b) for b in range(33, 127)] + [chr(0x100 + b) for b in range(162)]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(symbols + [f"<t{i}>" for i in range(c.vocab_size - len(symbols))])
-    writer.add_eos_token_id(c.vocab_size - 1)
+    add_byte_tokenizer(writer, c.vocab_size)
     rng = np.random.default_rng(seed)
     for name, shape in _tensors(c).items():
         if len(shape) == 1:
             writer.add_tensor(name, np.ones(shape, np.float32))
         else:
-            writer.add_tensor(name, _blocks(shape, qtype, rng), raw_dtype=qtype)
+            writer.add_tensor(name, random_blocks(shape, qtype, rng), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
