@@ -205,6 +205,9 @@ class Transformer(nn.Module):
                 f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
             )
         self.load_state_dict(state_dict, strict=False, assign=True)
+        # Inference only: with no weight asking for gradients, autograd records nothing, even
+        # where the caller's thread has grad mode on outside the model's inference_mode.
+        self.requires_grad_(False)
         if tied:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = Rope(self.config, self.device, context)
