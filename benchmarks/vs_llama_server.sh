@@ -36,13 +36,15 @@ run() {  # engine port
 
 "$server" -m "$model" -t "$threads" -tb "$threads" -c 16384 -np 16 --port 18501 \
   >"$out/llama.cpp.log" 2>&1 &
+pid=$!
 wait_up 18501 llama.cpp && run llama.cpp 18501
-kill %1 && wait %1 2>/dev/null || true
+kill "$pid" && wait "$pid" 2>/dev/null || true
 
 "$tinyllm" serve --model "$model" --threads "$threads" --max-model-len 1024 --port 18502 \
   >"$out/tinyllm.log" 2>&1 &
+pid=$!
 wait_up 18502 tinyllm && run tinyllm 18502
-kill -INT %2 && wait %2 2>/dev/null || true
+kill -INT "$pid" && wait "$pid" 2>/dev/null || true
 
 python3 - "$out" <<'EOF'
 import json, sys
