@@ -63,13 +63,19 @@ def rotary_torch(qkv, positions, cos, sin, heads, head_dim):
     x.copy_(torch.cat([a * c - b * s, b * c + a * s], dim=-1))
 
 
-def silu_and_mul(x: Tensor) -> Tensor:
-    """silu(gate) * up for x = [gate | up] (N, 2F): the fused gate and up projections."""
+def _gated(x: Tensor, op: str, torch_twin) -> Tensor:
+    """act(gate) * up for x = [gate | up] (N, 2F), the fused gate and up projections: the C++
+    op `op` where it runs, else its torch twin."""
     if native(x) and x.is_contiguous():
         out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
-        torch.ops.tinyllm.silu_and_mul(out, x)
+        getattr(torch.ops.tinyllm, op)(out, x)
         return out
-    return silu_and_mul_torch(x)
+    return torch_twin(x)
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """silu(gate) * up: the gated MLP's SwiGLU."""
+    return _gated(x, "silu_and_mul", silu_and_mul_torch)
 
 
 def silu_and_mul_torch(x: Tensor) -> Tensor:
@@ -80,11 +86,7 @@ def silu_and_mul_torch(x: Tensor) -> Tensor:
 def gelu_tanh_and_mul(x: Tensor) -> Tensor:
     """gelu_tanh(gate) * up for x = [gate | up] (N, 2F): Gemma's GeGLU, GELU's tanh approximation
     (transformers' gelu_pytorch_tanh)."""
-    if native(x) and x.is_contiguous():
-        out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
-        torch.ops.tinyllm.gelu_tanh_and_mul(out, x)
-        return out
-    return gelu_tanh_and_mul_torch(x)
+    return _gated(x, "gelu_tanh_and_mul", gelu_tanh_and_mul_torch)
 
 
 def gelu_tanh_and_mul_torch(x: Tensor) -> Tensor:
