@@ -89,3 +89,10 @@ def prompt_logits(
         by_id[req_id] = logits[start : start + n]
         start += n
     return [by_id[str(i)] for i in range(len(prompts))]
+
+
+def transformers_logits(model: torch.nn.Module, prompt: list[int]) -> Tensor:
+    """transformers' logits at every position of one prompt alone (LongRoPE picks its factors
+    from each call's length)."""
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0]

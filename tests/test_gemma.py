@@ -18,7 +18,7 @@ import torch
 import torch.multiprocessing as mp
 import transformers
 
-from tests.model_runs import checkpoint_weights, load, prompt_logits
+from tests.model_runs import checkpoint_weights, load, prompt_logits, transformers_logits
 from tests.test_attention_cpu import build
 from tests.test_gguf_loader import write_gguf
 from tests.test_hf_loader import VOCAB, _write_tokenizer
@@ -99,11 +99,6 @@ def prompts(*lengths: int) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
 
 
-def hf_logits(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([prompt])).logits[0]
-
-
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory) -> tuple[str, torch.nn.Module, Path]:
     """(family, transformers' model, its saved directory with a tokenizer)."""
@@ -143,7 +138,7 @@ def test_checkpoint_matches_transformers(family, dense, backend, executor):
     ours = prompt_logits(dense, batch, backend=backend, executor=executor)
     assert dense.layer_executor == executor
     for prompt, logits in zip(batch, ours, strict=True):
-        expected = hf_logits(reference, prompt)
+        expected = transformers_logits(reference, prompt)
         assert expected.std() > 0.5  # logits that vary: the tolerance below is tight
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
@@ -240,7 +235,9 @@ def test_vision_language_checkpoint_loads_its_text_model(tmp_path):
     model = load(tmp_path)
     batch = prompts(*LENGTHS)
     for prompt, logits in zip(batch, prompt_logits(model, batch), strict=True):
-        torch.testing.assert_close(logits, hf_logits(reference, prompt), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            logits, transformers_logits(reference, prompt), atol=1e-4, rtol=1e-4
+        )
 
 
 # ---- GGUF files, as llama.cpp's converter writes them ----
@@ -331,7 +328,9 @@ def test_gguf_matches_transformers(gguf_family):
     model = load(fp32)
     batch = prompts(*LENGTHS)
     for prompt, logits in zip(batch, prompt_logits(model, batch), strict=True):
-        torch.testing.assert_close(logits, hf_logits(reference, prompt), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            logits, transformers_logits(reference, prompt), atol=1e-4, rtol=1e-4
+        )
 
 
 def test_q4_0_gguf_runs_as_stored(gguf_family):
@@ -347,7 +346,7 @@ def test_q4_0_gguf_runs_as_stored(gguf_family):
     assert model.model.layers[0].self_attn.qkv_proj.bits == 4
     batch = prompts(*LENGTHS)
     for prompt, logits in zip(batch, prompt_logits(model, batch), strict=True):
-        expected = hf_logits(reference, prompt)
+        expected = transformers_logits(reference, prompt)
         # Only the activations' rounding to 8 bits differs.
         torch.testing.assert_close(logits, expected, rtol=0, atol=0.02 * expected.std().item())
 
@@ -358,7 +357,7 @@ def test_q4_0_gguf_runs_as_stored(gguf_family):
 def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     ids = list(prompt)
     for _ in range(n):
-        ids.append(int(hf_logits(model, ids)[-1].argmax()))
+        ids.append(int(transformers_logits(model, ids)[-1].argmax()))
     return ids[len(prompt) :]
 
 

@@ -14,7 +14,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from tests.model_runs import checkpoint_weights, load, prompt_logits
+from tests.model_runs import checkpoint_weights, load, prompt_logits, transformers_logits
 from tests.test_gguf_loader import write_gguf
 from tests.test_hf_loader import BASE, _random_hf_model, _write_tokenizer
 from tests.test_kquant import tinyllm_model
@@ -64,12 +64,6 @@ def tinyllm_dense(path: Path, context: int | None = None) -> Transformer:
     The loader reads a tokenizer too, which save_pretrained does not write: one is added."""
     _write_tokenizer(path)
     return load(path, max_model_len=context)
-
-
-def transformers_logits(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
-    """One prompt alone: transformers picks LongRoPE's factors from each call's length."""
-    with torch.no_grad():
-        return model(torch.tensor([prompt])).logits[0]
 
 
 def prompts(*lengths: int, vocab: int = BASE["vocab_size"]) -> list[list[int]]:

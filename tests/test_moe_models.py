@@ -19,7 +19,7 @@ import transformers
 
 from tests.engine_runs import engine_on, run_all
 from tests.http_server import openai_client
-from tests.model_runs import load, prompt_logits
+from tests.model_runs import load, prompt_logits, transformers_logits
 from tests.test_gguf_loader import VOCAB, llama_cpp_permute, write_gguf
 from tests.test_hf_loader import BASE, _random_hf_model, _write_tokenizer
 from tinyllm import LLM, SamplingParams
@@ -79,15 +79,10 @@ def prompts(*lengths: int) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
 
 
-def hf_logits(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([prompt])).logits[0]
-
-
 def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     ids = list(prompt)
     for _ in range(n):
-        ids.append(int(hf_logits(model, ids)[-1].argmax()))
+        ids.append(int(transformers_logits(model, ids)[-1].argmax()))
     return ids[len(prompt) :]
 
 
@@ -225,7 +220,7 @@ def test_checkpoint_matches_transformers(family, checkpoint, backend):
             continue
         model.set_layer_executor(executor)
         for prompt, ours in zip(batch, prompt_logits(model, batch, backend=backend), strict=True):
-            expected = hf_logits(reference, prompt)
+            expected = transformers_logits(reference, prompt)
             assert expected.std() > 0.3
             torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
 
@@ -238,7 +233,7 @@ def assert_int4_close(model: Transformer, family: str) -> None:
     for executor in EXECUTORS:
         model.set_layer_executor(executor)
         for prompt, ours in zip(batch, prompt_logits(model, batch), strict=True):
-            expected = hf_logits(reference, prompt)
+            expected = transformers_logits(reference, prompt)
             torch.testing.assert_close(ours, expected, rtol=0, atol=0.02 * expected.std().item())
             assert ours.argmax(-1).equal(expected.argmax(-1))
 
@@ -261,7 +256,9 @@ def test_gguf_matches_transformers(family, checkpoint, qtype, tmp_path):
     if qtype == Q.F32:
         model = load(path)
         for prompt, ours in zip(prompts(8, 5), prompt_logits(model, prompts(8, 5)), strict=True):
-            torch.testing.assert_close(ours, hf_logits(reference, prompt), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(
+                ours, transformers_logits(reference, prompt), atol=1e-4, rtol=1e-4
+            )
         return
     checkpoint = open_checkpoint(str(path), torch.float32, keep_quantized=True)
     expert = checkpoint.tensors["model.layers.0.mlp.experts.1.down_proj.weight"]
@@ -286,7 +283,9 @@ def test_mixtral_gguf_with_an_expert_per_tensor(checkpoint, family, tmp_path):
     assert "blk.1.ffn_down.3.weight" in {t.name for t in open_gguf(path).tensors}
     model = load(path)
     for prompt, ours in zip(prompts(8, 5), prompt_logits(model, prompts(8, 5)), strict=True):
-        torch.testing.assert_close(ours, hf_logits(reference, prompt), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            ours, transformers_logits(reference, prompt), atol=1e-4, rtol=1e-4
+        )
 
 
 # ---- the engine: greedy tokens, batch invariance, the server ----

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.greedy import assert_greedy_close, top_dicts
-from tests.model_runs import checkpoint_weights, load, prompt_logits
+from tests.model_runs import checkpoint_weights, load, prompt_logits, transformers_logits
 from tests.test_gguf_loader import write_gguf
 from tests.test_hf_loader import BASE, _random_hf_model, _write_config, _write_tokenizer
 from tests.test_kquant import tinyllm_model
@@ -42,11 +42,6 @@ def without_window(reference: torch.nn.Module) -> torch.nn.Module:
     full = type(reference)(type(reference.config)(**config)).eval()
     full.load_state_dict(reference.state_dict())
     return full
-
-
-def transformers_logits(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([prompt])).logits[0]
 
 
 def assert_matches(ours: list[torch.Tensor], reference, batch, tolerance: float = 1e-4) -> None:
