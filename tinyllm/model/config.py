@@ -85,6 +85,13 @@ class ModelConfig:
     dense_mlp_layers: tuple[int, ...] = ()
     # OLMoE: q_norm and k_norm span all heads' width (one norm of q's whole row), not one head.
     qk_norm_all_heads: bool = False
+    # Pooling models (embeddings, rerank; engine/pooling): what the runner does with a finished
+    # prompt's hidden states instead of sampling. Set from sentence-transformers' modules.json and
+    # 1_Pooling/config.json, a GGUF's pooling_type, or --pooling for any generation model.
+    is_causal: bool = True  # False: an encoder, each prompt's tokens see all of it (never chunked)
+    pooling: str | None = None  # "cls", "mean" or "last"; None: a generation model
+    normalize: bool = False  # embeddings L2-normalized (sentence-transformers' Normalize module)
+    num_labels: int = 0  # a cross-encoder's classifier outputs: the model's classify(pooled)
     # Above 1, this is one rank's part of a model split over that many (see shard): the head
     # counts and intermediate_size above are the rank's own.
     tensor_parallel_size: int = 1
@@ -119,6 +126,8 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"unsupported hidden_act {self.hidden_act!r}; needs silu or gelu_pytorch_tanh"
             )
+        if self.pooling not in (None, "cls", "mean", "last"):
+            raise UnsupportedModelError(f"pooling {self.pooling!r}: cls, mean or last")
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
