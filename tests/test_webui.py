@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 from tests.http_server import serving
+from tinyllm import LLM
 from tinyllm.entrypoints.cli import build_parser
 from tinyllm.entrypoints.server.app import create_app
 
@@ -210,11 +211,13 @@ def test_api_key_is_asked_for_and_a_wrong_one_shows_the_401(browser, base_url, b
 def test_html_in_a_message_or_an_answer_is_shown_as_text(page, browser_events):
     # The JSON-schema box makes the model's answer the string holding the markup.
     setting(page, "#schema", json.dumps({"enum": [ATTACK]}))
-    ask(page, f"Repeat this: {ATTACK}")
+    # The user's message goes through the same renderer: markup and a code block in it.
+    ask(page, f"Repeat this: {ATTACK}\n```html\n{ATTACK}\n```")
     answer = page.locator(".message.assistant .content")
     expect(page.locator(".message.assistant .stats")).to_contain_text("tokens/s")
     assert json.loads(answer.text_content()) == ATTACK  # the model's answer, as text
-    expect(page.locator(".message.user .content")).to_have_text(f"Repeat this: {ATTACK}")
+    expect(page.locator(".message.user p")).to_have_text(f"Repeat this: {ATTACK}")
+    expect(page.locator(".message.user pre code")).to_have_text(ATTACK)
     assert page.locator("#messages img, #messages script").count() == 0
     page.wait_for_timeout(200)  # an onerror would have fired by now
     assert browser_events["dialogs"] == [] and page.evaluate("window.ran") is None
@@ -229,4 +232,22 @@ def test_page_fits_a_phone_and_shows_server_errors(browser, base_url, browser_ev
     ask(page, "word " * 3000)  # over the 2048-token context: the server's 400, on the page
     expect(page.locator(".message.assistant .error")).to_contain_text("2048")
     page.context.close()
+    assert browser_events["errors"] == []
+
+
+def test_thinking_is_shown_folded_above_the_answer(browser, default_gguf_path, browser_events):
+    # deepseek_r1: the answer starts inside the thinking; the default model never closes it,
+    # so all it writes is thinking (reasoning_content), apart from the answer.
+    thinker = LLM(str(default_gguf_path), reasoning_parser="deepseek_r1", max_model_len=256)
+    with serving(create_app(thinker)) as url:
+        page = open_page(browser, url, browser_events, key=None)
+        ask(page, QUESTION)
+        expect(page.locator(".message.assistant .stats")).to_contain_text("tokens/s")
+        thinking = page.locator(".message.assistant details.reasoning")
+        expect(thinking).not_to_have_attribute("open", "")
+        expect(page.locator(".message.assistant .content")).to_be_empty()
+        thinking.locator("summary").click()
+        expect(thinking).to_contain_text("Paris")
+        page.context.close()
+    thinker.close()
     assert browser_events["errors"] == []
