@@ -112,8 +112,10 @@ def ask(page, text: str) -> None:
 
 
 def server_metrics(base_url: str) -> dict[str, float]:
+    """Every sample of /metrics, by name (and its labels' values, comma-joined, if any)."""
     text = httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    return {",".join([s.name, *s.labels.values()]): s.value for s in samples}
 
 
 def test_answer_streams_in_with_its_numbers(page):
@@ -133,6 +135,8 @@ def test_answer_streams_in_with_its_numbers(page):
 
 
 def test_stop_ends_the_stream_and_frees_the_request(page, base_url, tmp_path):
+    aborted = "tinyllm_request_success_total,abort"
+    aborts = server_metrics(base_url).get(aborted, 0)
     setting(page, "#max-tokens", "400")
     ask(page, "Write a long story about a dragon who learns to bake bread.")
     content = page.locator(".message.assistant .content")
@@ -152,6 +156,7 @@ def test_stop_ends_the_stream_and_frees_the_request(page, base_url, tmp_path):
     ]:
         assert time.monotonic() < deadline, f"still running a second after Stop: {m}"
         time.sleep(0.05)
+    assert m[aborted] == aborts + 1  # the server aborted it, not the answer ending
     assert content.text_content() == stopped_at and stopped_at  # the partial answer stays
 
 
@@ -162,7 +167,7 @@ def test_reload_keeps_the_conversation_and_new_chat_clears_it(page):
     answer = page.locator(".message.assistant .content").text_content()
     page.reload()
     expect(page.locator(".message")).to_have_count(2)
-    expect(page.locator(".message.user")).to_have_text(QUESTION + "Edit")
+    expect(page.locator(".message.user .content")).to_have_text(QUESTION)
     expect(page.locator(".message.assistant .content")).to_have_text(answer)
     expect(page.locator("#max-tokens")).to_have_value("8")  # the settings stay too
     page.click("#new-chat")

@@ -24,6 +24,7 @@ from tinyllm.entrypoints.server.engine_requests import chat_prompt, encode
 from tinyllm.entrypoints.server.errors import APIError, BodyLimitMiddleware, install_error_handlers
 from tinyllm.entrypoints.server.metrics import ServerMetrics
 from tinyllm.entrypoints.server.ollama import install_ollama_routes
+from tinyllm.entrypoints.server.options import ServerOptions
 from tinyllm.entrypoints.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -45,7 +46,10 @@ _OPEN_PATHS = {"/health", "/version"}
 
 
 def create_app(
-    llm: LLM, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES, ui: bool = True
+    llm: LLM,
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    ui: bool = ServerOptions.ui,
 ) -> FastAPI:
     """An app serving `llm` (an `LLM`: its engine, tokenizer and model name), with the chat
     page for browsers at / if `ui`. Its engine loop thread runs while the app's lifespan does;

@@ -67,8 +67,9 @@ function askForKey(message) {
 async function connect() {
   const response = await fetch("/v1/models", { headers: headers() });
   if (response.status === 401) {
-    const refused = localStorage.getItem(KEYS.apiKey) ? "The server refused this key" : "This server needs an API key";
-    askForKey(`${refused}: ${await errorMessage(response)}`);
+    const had = localStorage.getItem(KEYS.apiKey);
+    const why = had ? "The server refused this key" : "This server needs an API key";
+    askForKey(`${why}: ${await errorMessage(response)}`);
     return false;
   }
   $("key-form").hidden = true;
@@ -127,7 +128,8 @@ function streaming() {
 function render() {
   const list = $("messages");
   const atBottom = list.scrollHeight - list.scrollTop - list.clientHeight < 40;
-  list.replaceChildren(...messages.map((m, i) => (m.role === "user" ? userNode : answerNode)(m, i)));
+  const node = (m, i) => (m.role === "user" ? userNode : answerNode)(m, i);
+  list.replaceChildren(...messages.map(node));
   if (atBottom) list.scrollTop = list.scrollHeight;
 }
 
@@ -232,7 +234,8 @@ async function generate() {
       const end = performance.now();
       const n = usage.completion_tokens;
       // The decoding rate: the tokens after the first over the time after it.
-      const decoding = first !== null && n > 1 ? (n - 1) / ((end - first) / 1000) : n / ((end - start) / 1000);
+      const decoding =
+        first !== null && n > 1 ? (n - 1) / ((end - first) / 1000) : n / ((end - start) / 1000);
       answer.stats = {
         tokens: n,
         tokensPerSecond: decoding,
