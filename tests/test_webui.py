@@ -236,6 +236,9 @@ def test_page_fits_a_phone_and_shows_server_errors(browser, base_url, browser_ev
     assert send["x"] + send["width"] <= 375 and send["y"] + send["height"] <= 700
     ask(page, "word " * 3000)  # over the 2048-token context: the server's 400, on the page
     expect(page.locator(".message.assistant .error")).to_contain_text("2048")
+    setting(page, "#schema", "{not json")  # refused before anything is sent
+    ask(page, QUESTION)
+    expect(page.locator(".message.assistant .error").last).to_contain_text("not JSON")
     page.context.close()
     assert browser_events["errors"] == []
 
