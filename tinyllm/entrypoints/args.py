@@ -78,12 +78,17 @@ def _add_flag(p: argparse.ArgumentParser, f: Field) -> None:
     )
 
 
+def add_option_args(p: argparse.ArgumentParser, cls: type) -> None:
+    """The option fields of the dataclass `cls`, each as a flag on `p`."""
+    for f in option_fields(cls):
+        _add_flag(p, f)
+
+
 def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> None:
     """Every option as a flag on `p`; with `positional_model`, the model may also be given as
     the command's positional argument, as in `vllm serve MODEL`."""
     for cls in OPTION_CLASSES:
-        for f in option_fields(cls):
-            _add_flag(p, f)
+        add_option_args(p, cls)
     if positional_model:
         p.add_argument(
             "model",

@@ -14,9 +14,15 @@ from tqdm import tqdm
 
 from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from tinyllm.engine.structured_output.params import StructuredOutputsParams
-from tinyllm.entrypoints.args import add_engine_args, build_llm, run_torchrun_worker
+from tinyllm.entrypoints.args import (
+    add_engine_args,
+    add_option_args,
+    build_llm,
+    run_torchrun_worker,
+)
 from tinyllm.entrypoints.bench.args import add_bench_args
 from tinyllm.entrypoints.generation_config import DEFAULT_MAX_TOKENS
+from tinyllm.entrypoints.server.options import ServerOptions
 from tinyllm.entrypoints.workloads import WORKLOADS
 from tinyllm.host.torchrun import torchrun_rank
 from tinyllm.text.reasoning import ThinkSplit, thinking_state
@@ -302,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="clients must send it as `Authorization: Bearer KEY` (default: no key needed)",
     )
+    add_option_args(s, ServerOptions)
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 

@@ -24,6 +24,7 @@ from tinyllm.entrypoints.server.engine_requests import chat_prompt, encode
 from tinyllm.entrypoints.server.errors import APIError, BodyLimitMiddleware, install_error_handlers
 from tinyllm.entrypoints.server.metrics import ServerMetrics
 from tinyllm.entrypoints.server.ollama import install_ollama_routes
+from tinyllm.entrypoints.server.options import ServerOptions
 from tinyllm.entrypoints.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -34,6 +35,7 @@ from tinyllm.entrypoints.server.protocol import (
 )
 from tinyllm.entrypoints.server.responses import install_responses_routes
 from tinyllm.entrypoints.server.serving import OpenAIServing
+from tinyllm.entrypoints.server.ui import ChatPage
 from tinyllm.host.memory import resident_bytes
 
 log = logging.getLogger("tinyllm.server")
@@ -44,10 +46,14 @@ _OPEN_PATHS = {"/health", "/version"}
 
 
 def create_app(
-    llm: LLM, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES
+    llm: LLM,
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    ui: bool = ServerOptions.ui,
 ) -> FastAPI:
-    """An app serving `llm` (an `LLM`: its engine, tokenizer and model name). Its engine loop
-    thread runs while the app's lifespan does; nothing else may drive `llm.engine` meanwhile."""
+    """An app serving `llm` (an `LLM`: its engine, tokenizer and model name), with the chat
+    page for browsers at / if `ui`. Its engine loop thread runs while the app's lifespan does;
+    nothing else may drive `llm.engine` meanwhile."""
     engine, tokenizer = llm.engine, llm.tokenizer
     metrics = ServerMetrics(engine.stats())
     engine_loop = EngineLoop(engine, metrics)
@@ -89,6 +95,8 @@ def create_app(
     )
     app.state.engine_loop = engine_loop  # Server stops it first, to end the live streams
     app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes)
+    if ui:
+        app.add_middleware(ChatPage)
     install_error_handlers(app)
     install_ollama_routes(app, chat, llm)
 
@@ -190,17 +198,19 @@ def serve(args: argparse.Namespace) -> None:
 
     logging.getLogger("tinyllm.server").setLevel(logging.INFO)
     llm = build_llm(args)
-    app = create_app(llm, api_key=args.api_key)
+    app = create_app(llm, api_key=args.api_key, ui=args.ui)
     host = f"[{args.host}]" if ":" in args.host else args.host
     where = f"http://{host}:{args.port}" if args.port else f"a free port on {args.host}"
+    page = f"the chat page at {where if args.port else ''}/" if args.ui else "no chat page"
     resident = resident_bytes()
     log.info(
         "serving %s (context %d tokens) on %s: OpenAI API under /v1 (chat, completions, "
         "responses), Anthropic's /v1/messages, Ollama's /api, also /health and /metrics; "
-        "%s; %s resident",
+        "%s; %s; %s resident",
         llm.model_name,
         llm.engine.max_model_len,
         where,
+        page,
         "API key required" if args.api_key else "no API key",
         "? MB" if resident is None else f"{resident / 1e6:.0f} MB",
     )
