@@ -1,0 +1,45 @@
+"""MXFP4 weights (the OCP Microscaling format, gpt-oss's experts): blocks of 32 FP4 (E2M1)
+values sharing one E8M0 scale, w = e2m1 * 2^(scale - 127). Each value times 2 is an integer in
+[-12, 12], so a block is exactly an 8-bit group of model/quant.py's format: codes u = 2 e2m1 + 128,
+d = 2^(scale - 128) and m = -128 d. Those run on the int8 kernel bit for bit as stored (d and m
+are fp16 there: exact for scales 104..136, which is where trained weights sit; blocks outside it
+are refused), or dequantize exactly to bf16 or fp32.
+"""
+
+import torch
+from torch import Tensor
+
+from tinyllm.model.config import ModelLoadError
+from tinyllm.model.quant import GROUP, GroupQuantized
+
+# The 16 E2M1 codes times 2 (OCP MX spec v1.0, table 5: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their
+# negatives; code 8 is -0).
+E2M1_TIMES_2 = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12])
+# The E8M0 scales whose d = 2^(s - 128) and m = -2^(s - 121) fp16 holds exactly.
+EXACT_SCALES = range(104, 137)
+
+
+def mxfp4_groups(blocks: Tensor, scales: Tensor) -> GroupQuantized:
+    """A weight of N rows stored as MXFP4: `blocks` (N, K / 32, 16) uint8, two values a byte (the
+    low nibble first), `scales` (N, K / 32) uint8 E8M0, as 8-bit groups (see the module
+    docstring). A block whose values are all zero may have any scale."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ModelLoadError(f"MXFP4 blocks and scales must be uint8, not {blocks.dtype}")
+    n, groups, half = blocks.shape
+    if half != GROUP // 2 or scales.shape != (n, groups):
+        raise ModelLoadError(
+            f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} must be "
+            f"(rows, groups, {GROUP // 2}) and (rows, groups)"
+        )
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).view(n, groups, GROUP).long()
+    q = (E2M1_TIMES_2[codes] + 128).to(torch.uint8)
+    s = scales.int()
+    used = (codes & 7).any(-1)  # a block of zeros (either sign) needs no scale
+    bad = used & ((s < EXACT_SCALES.start) | (s >= EXACT_SCALES.stop))
+    if bad.any():
+        raise ModelLoadError(
+            f"MXFP4 scale {int(s[bad][0])} (2^{int(s[bad][0]) - 127}) is outside "
+            f"{EXACT_SCALES.start}..{EXACT_SCALES.stop - 1}, which 8-bit groups hold exactly"
+        )
+    d = torch.where(used, torch.ldexp(torch.ones(()), s - 128), torch.zeros(()))
+    return GroupQuantized(q.flatten(1), d, -128 * d, bits=8)
