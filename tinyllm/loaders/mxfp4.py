@@ -41,5 +41,5 @@ def mxfp4_groups(blocks: Tensor, scales: Tensor) -> GroupQuantized:
             f"MXFP4 scale {int(s[bad][0])} (2^{int(s[bad][0]) - 127}) is outside "
             f"{EXACT_SCALES.start}..{EXACT_SCALES.stop - 1}, which 8-bit groups hold exactly"
         )
-    d = torch.where(used, torch.ldexp(torch.ones(()), s - 128), torch.zeros(()))
+    d = torch.ldexp(torch.ones(s.shape), s - 128).masked_fill_(~used, 0)
     return GroupQuantized(q.flatten(1), d, -128 * d, bits=8)
