@@ -325,7 +325,7 @@ def test_an_mxfp4_checkpoint_runs_its_experts_as_stored(checkpoint, tmp_path):
         torch.testing.assert_close(
             ours, transformers_logits(reference, prompt), atol=1e-4, rtol=1e-4
         )
-    stored = load(tmp_path, quantization="int8")
+    stored = load(tmp_path, quantization="auto")  # int8: the blocks as stored
     expert = stored.model.layers[1].mlp.experts[2]
     assert expert.gate_up_proj.bits == 8
     gate_up = reference.model.layers[1].mlp.experts.gate_up_proj[2].T  # gate and up interleaved

@@ -340,6 +340,14 @@ def _experts(cfg: dict, arch: str) -> dict:
     }
 
 
+def hf_stored_bits(model_dir: Path) -> set[int]:
+    """{8} for a checkpoint whose experts are MXFP4 (read as exact 8-bit groups, loaders/mxfp4.py),
+    so that quantization "auto" keeps them as stored; else none."""
+    cfg = _read_json(model_dir / "config.json")
+    mxfp4 = (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    return {8} if mxfp4 else set()
+
+
 def _shard_map(model_dir: Path) -> dict[str, list[str] | None]:
     """File name -> tensor names to read from it (None: all of them)."""
     single, index = model_dir / "model.safetensors", model_dir / "model.safetensors.index.json"
