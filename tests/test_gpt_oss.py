@@ -2,9 +2,10 @@
 sliding-window attention on every other layer, YaRN RoPE, the router's bias and softmax of its
 top-k logits, the experts' biases and clamped SwiGLU, gate and up interleaved as transformers
 stores them. Logits on both attention backends and layer executors, greedy tokens and prompt
-logprobs through the engine, a token's bits alone and batched, chunked or from the prefix
-cache; the kernel's sinks against transformers' eager attention; MXFP4 experts read exactly
-(against transformers' dequantization, and run as 8-bit groups); the gpt-oss-20b dummy shape."""
+logprobs through the engine, a token's bits alone and batched, chunked, preempted, drafted or
+from the prefix cache; the kernel's sinks against transformers' eager attention; MXFP4 experts
+read exactly (against transformers' dequantization, and run as 8-bit groups); the gpt-oss-20b
+dummy shape."""
 
 import json
 import math
@@ -16,18 +17,20 @@ from safetensors.torch import load_file, save_file
 from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tensors
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
-from tests.engine_runs import engine_on, run_all
+from tests.engine_runs import assert_settings_give_the_bits_alone
 from tests.model_runs import load, prompt_logits, transformers_logits
 from tests.test_attention_cpu import REFERENCE, build
-from tests.test_gguf_loader import VOCAB
+from tests.test_gguf_loader import VOCAB, write_gguf
 from tests.test_hf_loader import _random_hf_model, _write_tokenizer
+from tests.test_moe_models import ENGINE_SETTINGS
 from tinyllm import LLM, SamplingParams
 from tinyllm.loaders import dummy
 from tinyllm.loaders.dummy import dummy_config, parameter_count
+from tinyllm.loaders.gguf import gguf_config, open_gguf
 from tinyllm.loaders.hf import hf_config
 from tinyllm.loaders.mxfp4 import E2M1_TIMES_2, mxfp4_groups
 from tinyllm.model.attention import cpu, get_backend
-from tinyllm.model.config import ModelLoadError
+from tinyllm.model.config import ModelLoadError, UnsupportedModelError
 from tinyllm.model.cpu_library import library_error
 from tinyllm.model.layer_executor import choose_layer_executor
 from tinyllm.model.layer_ops import moe_experts_torch
@@ -128,6 +131,19 @@ def test_each_difference_from_llama_changes_the_logits(checkpoint):
         setattr(module, name, kept)
 
 
+def test_gguf_and_other_quantizations_are_refused_naming_what_they_need(checkpoint, tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", {}, "gpt-oss", metadata={"gpt-oss.expert_count": 8})
+    with pytest.raises(UnsupportedModelError) as error:
+        gguf_config(open_gguf(path))
+    (line,) = str(error.value).splitlines()
+    assert "GGUF architecture 'gpt-oss' is not supported: it needs a GGUF reader" in line
+    config = json.loads((checkpoint[1] / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="quantized by 'bitsandbytes'.*reads mxfp4"):
+        hf_config(tmp_path)
+
+
 def test_executor_auto_fuses_gpt_oss(checkpoint):
     model = load(checkpoint[1])
     assert choose_layer_executor("auto", model, get_backend("cpu", CPU)) == "fused"
@@ -155,22 +171,13 @@ def llm(checkpoint) -> LLM:
 
 
 def test_engine_settings_give_each_request_its_bits_alone(llm):
-    """int4 on the kernels, fused: chunked prefill, the prefix cache and a batch give each
-    request the tokens and logprobs it gets alone."""
+    """int4 on the kernels, fused: a batch, chunked prefill, the prefix cache, preemption and
+    ngram speculative decoding give each request the tokens and logprobs it gets alone."""
     base = prompts(9, 4, 13, 7)
     batch = base + [base[0] + base[2][:5], base[2][:8] * 2]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
-    alone = [run_all(engine_on(llm), [p], params)[0] for p in batch]
-    settings = {
-        "batched": {},
-        "chunked": dict(max_num_batched_tokens=5),
-        "prefix-cache": dict(enable_prefix_caching=True),
-    }
-    for name, setting in settings.items():
-        together = run_all(engine_on(llm, **setting), batch, params)
-        for a, b in zip(alone, together, strict=True):
-            assert b.outputs[0].token_ids == a.outputs[0].token_ids, name
-            assert b.outputs[0].logprobs == a.outputs[0].logprobs, name
+    settings = {"batched": {}, **ENGINE_SETTINGS}
+    assert_settings_give_the_bits_alone(llm, batch, params, settings)
 
 
 def test_a_tokens_logits_do_not_depend_on_its_batch(llm):

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.engine_runs import engine_on, run_all
+from tests.engine_runs import assert_settings_give_the_bits_alone
 from tests.http_server import openai_client
 from tests.model_runs import load, prompt_logits, transformers_logits
 from tests.test_gguf_loader import VOCAB, llama_cpp_permute, write_gguf
@@ -319,12 +319,7 @@ def test_engine_settings_give_the_same_tokens_and_logprobs(llm):
     # Repeats, so the prefix cache hits and the ngram drafter finds its drafts.
     batch = base + [base[0] + base[2][:5], base[2][:8] * 2]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
-    alone = [run_all(engine_on(llm), [p], params)[0] for p in batch]
-    for name, setting in ENGINE_SETTINGS.items():
-        together = run_all(engine_on(llm, **setting), batch, params)
-        for a, b in zip(alone, together, strict=True):
-            assert b.outputs[0].token_ids == a.outputs[0].token_ids, name
-            assert b.outputs[0].logprobs == a.outputs[0].logprobs, name
+    assert_settings_give_the_bits_alone(llm, batch, params, ENGINE_SETTINGS)
 
 
 def test_a_tokens_bits_do_not_depend_on_its_batch(llm):

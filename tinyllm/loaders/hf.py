@@ -149,8 +149,12 @@ def _rope(cfg: dict, arch: str) -> tuple[float, dict | None, float]:
         )
     if kind == "longrope":
         return theta, _longrope(params, cfg), partial
+    if kind == "yarn" and params.get("factor") is None:
+        raise ModelLoadError("yarn rope scaling lacks 'factor'")
     drop = ("rope_theta", "partial_rotary_factor")
     scaling = {k: v for k, v in params.items() if k not in drop}
+    if kind == "yarn":  # transformers' default for the pretrained context
+        scaling.setdefault("original_max_position_embeddings", cfg["max_position_embeddings"])
     return theta, (scaling if kind not in (None, "default") else None), partial
 
 
