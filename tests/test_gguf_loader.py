@@ -98,13 +98,14 @@ def write_gguf(
     qtype: Q = Q.F32,
     metadata: dict | None = None,
     raw: dict[str, Q] | None = None,
-    extra_tensors: dict[str, np.ndarray] | None = None,
+    extra_tensors: dict[str, np.ndarray | tuple[np.ndarray, Q]] | None = None,
     encode=None,
 ) -> Path:
     """A tiny model file, with a vocabulary of VOCAB tokens for its tokenizer. 2-D weights are
     stored as `qtype` (norms and biases stay F32, as in llama.cpp); tensors named in `raw` get
     blocks of the given type instead: `encode(shape, type, rng)`'s bytes, by default random
-    ones. A `metadata` value of None leaves the key out."""
+    ones. A `metadata` value of None leaves the key out. `extra_tensors`: more by their GGUF
+    names, as they are, or (values, type) quantized to that type."""
     writer = gguf.GGUFWriter(path, arch)
     values = {
         f"{arch}.block_count": LAYERS,
@@ -152,7 +153,10 @@ def write_gguf(
         else:
             writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
     for name, w in (extra_tensors or {}).items():
-        writer.add_tensor(name, w)
+        if isinstance(w, tuple):
+            writer.add_tensor(name, gguf.quants.quantize(*w), raw_dtype=w[1])
+        else:
+            writer.add_tensor(name, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -11,6 +11,7 @@ import json
 import math
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -28,7 +29,7 @@ from tinyllm.loaders import dummy
 from tinyllm.loaders.dummy import dummy_config, parameter_count
 from tinyllm.loaders.gguf import gguf_config, open_gguf
 from tinyllm.loaders.hf import hf_config
-from tinyllm.loaders.mxfp4 import E2M1_TIMES_2, mxfp4_groups
+from tinyllm.loaders.mxfp4 import E2M1_TIMES_2, hf_codes, mxfp4_groups
 from tinyllm.model.attention import cpu, get_backend
 from tinyllm.model.config import ModelLoadError, UnsupportedModelError
 from tinyllm.model.cpu_library import library_error
@@ -41,6 +42,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 CPU = torch.device("cpu")
+Q = gguf.GGMLQuantizationType
 EXPERTS, WIDTH, WINDOW = 4, 64, 6
 GPT_OSS = dict(
     num_local_experts=EXPERTS, num_experts_per_tok=2, intermediate_size=WIDTH, head_dim=16,
@@ -131,12 +133,7 @@ def test_each_difference_from_llama_changes_the_logits(checkpoint):
         setattr(module, name, kept)
 
 
-def test_gguf_and_other_quantizations_are_refused_naming_what_they_need(checkpoint, tmp_path):
-    path = write_gguf(tmp_path / "m.gguf", {}, "gpt-oss", metadata={"gpt-oss.expert_count": 8})
-    with pytest.raises(UnsupportedModelError) as error:
-        gguf_config(open_gguf(path))
-    (line,) = str(error.value).splitlines()
-    assert "GGUF architecture 'gpt-oss' is not supported: it needs a GGUF reader" in line
+def test_other_quantizations_are_refused_naming_what_is_read(checkpoint, tmp_path):
     config = json.loads((checkpoint[1] / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "bitsandbytes"}
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -281,7 +278,7 @@ def test_mxfp4_groups_equal_transformers_dequantization():
     blocks, scales = random_mxfp4((3, 20, 4), seed=0)
     expected = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)
     for e in range(3):
-        groups = mxfp4_groups(blocks[e], scales[e])
+        groups = mxfp4_groups(hf_codes(blocks[e]), scales[e])
         assert groups.dequantize().equal(expected[e])
         # Packed for the int8 kernel and read back: the same values, bit for bit.
         assert unpack(QuantLinear(groups, None, torch.float32, 128).packed, 8)[:20].equal(
@@ -289,9 +286,9 @@ def test_mxfp4_groups_equal_transformers_dequantization():
         )
     scales[1, 3, 2] = 140  # 2^13: m = -128 d overflows fp16's range
     with pytest.raises(ModelLoadError, match=r"MXFP4 scale 140 .* outside 104\.\.136"):
-        mxfp4_groups(blocks[1], scales[1])
+        mxfp4_groups(hf_codes(blocks[1]), scales[1])
     blocks[1, 3, 2] = 0  # a block of zeros needs no scale
-    assert mxfp4_groups(blocks[1], scales[1]).dequantize()[3, 64:96].eq(0).all()
+    assert mxfp4_groups(hf_codes(blocks[1]), scales[1]).dequantize()[3, 64:96].eq(0).all()
 
 
 def test_an_mxfp4_checkpoint_runs_its_experts_as_stored(checkpoint, tmp_path):
@@ -343,6 +340,113 @@ def test_an_mxfp4_checkpoint_runs_its_experts_as_stored(checkpoint, tmp_path):
         expected = transformers_logits(reference, prompt)
         torch.testing.assert_close(ours, expected, rtol=0, atol=0.02 * expected.std().item())
         assert ours.argmax(-1).equal(expected.argmax(-1))
+
+
+# ---- GGUF (llama.cpp's gpt-oss files) ----
+
+
+def on_grid(w: torch.Tensor, qtype: Q) -> torch.Tensor:
+    """`w` rounded to `qtype`'s blocks along its last dim, as a file of that type holds it."""
+    blocks = gguf.quants.quantize(w.contiguous().numpy(), qtype)
+    return torch.from_numpy(gguf.quants.dequantize(blocks, qtype)).reshape(w.shape)
+
+
+# Hugging Face's names of gpt-oss's tensors and llama.cpp's, but for the experts'.
+GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight", "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight",
+    "mlp.router.bias": "ffn_gate_inp.bias",
+    **{
+        f"self_attn.{hf}_proj.{kind}": f"attn_{ours}.{kind}"
+        for hf, ours in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output"))
+        for kind in ("weight", "bias")
+    },
+}  # fmt: skip
+
+
+def _experts(blk: str, kind: str, w: torch.Tensor) -> dict:
+    """A layer's stacked experts' tensor `kind` as the converter writes it: gate and up apart
+    (gate_up's even and odd columns), each expert (out, in), the weights MXFP4 (rounded in
+    place to what the file holds)."""
+    bias = kind.endswith("_bias")
+    parts = {"down": w} if kind.startswith("down") else {"gate": w[..., 0::2], "up": w[..., 1::2]}
+    out = {}
+    for part, t in parts.items():
+        if bias:
+            out[f"{blk}ffn_{part}_exps.bias"] = t.numpy().copy()
+            continue
+        t.copy_(on_grid(t.transpose(1, 2), Q.MXFP4).transpose(1, 2))
+        out[f"{blk}ffn_{part}_exps.weight"] = (t.transpose(1, 2).numpy(), Q.MXFP4)
+    return out
+
+
+def write_gpt_oss_gguf(path: Path, reference: torch.nn.Module) -> Path:
+    """`reference` as llama.cpp's converter writes gpt-oss, its weights first rounded in place
+    to what the file holds: the experts in MXFP4, the other matrices Q8_0, the embeddings, the
+    router, norms, biases and sinks F32."""
+    c, tensors = reference.config, {}
+    with torch.no_grad():
+        for name, w in reference.state_dict().items():
+            if not name.startswith("model.layers."):
+                gguf_name = GGUF_NAMES[name]
+            else:
+                _, _, i, rest = name.split(".", 3)
+                if rest.startswith("mlp.experts."):
+                    tensors |= _experts(f"blk.{i}.", rest.removeprefix("mlp.experts."), w)
+                    continue
+                gguf_name = f"blk.{i}.{GGUF_NAMES[rest]}"
+            if w.ndim == 2 and "embed" not in name and "router" not in name:
+                w.copy_(on_grid(w, Q.Q8_0))
+                tensors[gguf_name] = (w.numpy(), Q.Q8_0)
+            else:
+                tensors[gguf_name] = w.numpy().copy()
+    rope = c.rope_parameters
+    metadata = {
+        "gpt-oss.feed_forward_length": WIDTH, "gpt-oss.expert_feed_forward_length": WIDTH,
+        "gpt-oss.expert_count": EXPERTS, "gpt-oss.expert_used_count": c.num_experts_per_tok,
+        "gpt-oss.attention.key_length": c.head_dim, "gpt-oss.attention.sliding_window": WINDOW,
+        "gpt-oss.context_length": c.max_position_embeddings, "gpt-oss.vocab_size": c.vocab_size,
+        "gpt-oss.swiglu_clamp_exp": [c.swiglu_limit] * c.num_hidden_layers,
+        "tokenizer.ggml.tokens": [f"t{i}" for i in range(c.vocab_size)],
+        "gpt-oss.rope.scaling.type": "yarn", "gpt-oss.rope.scaling.factor": rope["factor"],
+        "gpt-oss.rope.scaling.original_context_length": rope["original_max_position_embeddings"],
+    }  # fmt: skip
+    return write_gguf(path, {}, "gpt-oss", metadata=metadata, extra_tensors=tensors)
+
+
+def test_a_gguf_file_matches_transformers(tmp_path):
+    """A gpt-oss GGUF as llama.cpp's converter writes one (MXFP4 experts): its config as the
+    Hugging Face checkpoint's, and its logits as transformers' on the weights the file holds:
+    dense within 1e-4, and with quantization auto (int8: the MXFP4 and Q8_0 blocks as stored)
+    within 2% of the logits' spread."""
+    reference = random_gpt_oss()
+    path = write_gpt_oss_gguf(tmp_path / "m.gguf", reference)
+    reference.save_pretrained(tmp_path / "hf")
+    config, expected = gguf_config(open_gguf(path)), hf_config(tmp_path / "hf")
+    fields = (
+        "architecture", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+        "sliding_window", "sliding_window_layers", "attention_bias", "o_proj_bias",
+        "attention_sinks", "moe_bias", "softmax_after_topk", "norm_topk_prob", "head_dim",
+        "swiglu_limit",
+    )  # fmt: skip
+    for field in fields:
+        assert getattr(config, field) == getattr(expected, field), field
+    assert config.rope_scaling.items() <= expected.rope_scaling.items()
+    batch = prompts(9, 5)
+    dense = load(path)
+    for prompt, ours in zip(batch, prompt_logits(dense, batch), strict=True):
+        torch.testing.assert_close(
+            ours, transformers_logits(reference, prompt), atol=1e-4, rtol=1e-4
+        )
+    stored = load(path, quantization="auto")
+    assert stored.model.layers[0].mlp.experts[1].down_proj.bits == 8
+    for prompt, ours in zip(batch, prompt_logits(stored, batch), strict=True):
+        expected_logits = transformers_logits(reference, prompt)
+        atol = 0.02 * expected_logits.std().item()
+        torch.testing.assert_close(ours, expected_logits, rtol=0, atol=atol)
+        assert ours.argmax(-1).equal(expected_logits.argmax(-1))
 
 
 # ---- the gpt-oss-20b shape as dummy weights ----

@@ -13,7 +13,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from tinyllm.loaders.mxfp4 import mxfp4_groups
+from tinyllm.loaders.mxfp4 import hf_codes, mxfp4_groups
 from tinyllm.loaders.stored import ALL, StoredTensor, Weight
 from tinyllm.model.config import ModelLoadError
 
@@ -54,7 +54,8 @@ class StackedExpert(StoredTensor):
             stored = self.file.get_slice(self.name)[self.expert]
             if self.mxfp4:
                 scales = self.file.get_slice(self.name.replace("_blocks", "_scales"))
-                return mxfp4_groups(stored[self._rows()], scales[self.expert][self._rows()])
+                codes = hf_codes(stored[self._rows()])
+                return mxfp4_groups(codes, scales[self.expert][self._rows()])
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"cannot read {self.path}: {e}") from e
         w: Tensor = stored[self._rows()] if self.bias else stored.T[self._rows()]

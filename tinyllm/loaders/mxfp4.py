@@ -19,22 +19,21 @@ E2M1_TIMES_2 = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8,
 EXACT_SCALES = range(104, 137)
 
 
-def mxfp4_groups(blocks: Tensor, scales: Tensor) -> GroupQuantized:
-    """A weight of N rows stored as MXFP4: `blocks` (N, K / 32, 16) uint8, two values a byte (the
-    low nibble first), `scales` (N, K / 32) uint8 E8M0, as 8-bit groups (see the module
-    docstring). A block whose values are all zero may have any scale."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ModelLoadError(f"MXFP4 blocks and scales must be uint8, not {blocks.dtype}")
-    n, groups, half = blocks.shape
-    if half != GROUP // 2 or scales.shape != (n, groups):
+def mxfp4_groups(codes: Tensor, scales: Tensor) -> GroupQuantized:
+    """A weight of N rows stored as MXFP4, its E2M1 `codes` (N, K) (0..15, unpacked from the
+    file's nibbles: hf_codes, loaders/gguf_blocks.py) and E8M0 `scales` (N, K / 32) uint8, as
+    8-bit groups (see the module docstring). A block whose values are all zero may have any
+    scale."""
+    n, k = codes.shape
+    if k % GROUP or scales.shape != (n, k // GROUP):
         raise ModelLoadError(
-            f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} must be "
-            f"(rows, groups, {GROUP // 2}) and (rows, groups)"
+            f"MXFP4 codes {tuple(codes.shape)} and scales {tuple(scales.shape)} must be "
+            f"(rows, groups * {GROUP}) and (rows, groups)"
         )
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).view(n, groups, GROUP).long()
+    codes = codes.long()
     q = (E2M1_TIMES_2[codes] + 128).to(torch.uint8)
     s = scales.int()
-    used = (codes & 7).any(-1)  # a block of zeros (either sign) needs no scale
+    used = (codes & 7).view(n, -1, GROUP).any(-1)  # a block of zeros (either sign): no scale
     bad = used & ((s < EXACT_SCALES.start) | (s >= EXACT_SCALES.stop))
     if bad.any():
         raise ModelLoadError(
@@ -42,4 +41,15 @@ def mxfp4_groups(blocks: Tensor, scales: Tensor) -> GroupQuantized:
             f"{EXACT_SCALES.start}..{EXACT_SCALES.stop - 1}, which 8-bit groups hold exactly"
         )
     d = torch.ldexp(torch.ones(s.shape), s - 128).masked_fill_(~used, 0)
-    return GroupQuantized(q.flatten(1), d, -128 * d, bits=8)
+    return GroupQuantized(q, d, -128 * d, bits=8)
+
+
+def hf_codes(blocks: Tensor) -> Tensor:
+    """Hugging Face's MXFP4 `*_blocks` (N, K / 32, 16) uint8 as codes (N, K): each byte two
+    consecutive values, the low nibble first."""
+    if blocks.dtype != torch.uint8 or blocks.shape[-1] != GROUP // 2:
+        raise ModelLoadError(
+            f"MXFP4 blocks {tuple(blocks.shape)} of {blocks.dtype} must be uint8 (rows, groups, "
+            f"{GROUP // 2})"
+        )
+    return torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(1)

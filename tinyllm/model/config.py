@@ -22,11 +22,6 @@ REFUSED_ARCHITECTURES = {
     ),
 }
 REFUSED_ARCHITECTURES["phi2"] = REFUSED_ARCHITECTURES["phi"]  # Phi-2's GGUF architecture
-# gpt-oss runs from its Hugging Face checkpoints (gpt_oss); its GGUF files are not read.
-REFUSED_ARCHITECTURES["gpt-oss"] = (
-    "a GGUF reader for gpt-oss's tensors (MXFP4 ffn_*_exps, sinks, biases; its safetensors "
-    "checkpoints run)"
-)
 REFUSED_ARCHITECTURES["qwen2_moe"] = (
     "a shared expert, with its own sigmoid gate, beside the routed experts (model/moe.py has "
     "routed experts only)"
