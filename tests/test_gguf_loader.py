@@ -346,8 +346,17 @@ def test_metadata_defaults_and_vocab_fallbacks(tmp_path: Path):
                 "llama.rope.scaling.type": "yarn",
                 "llama.rope.scaling.factor": 4.0,
                 "llama.rope.scaling.original_context_length": 32768,
+                "llama.rope.scaling.yarn_beta_fast": 16.0,
             },
-            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+            # beta_slow and the ramp's truncation as llama.cpp has them
+            {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32768,
+                "beta_fast": 16.0,
+                "beta_slow": 1.0,
+                "truncate": True,
+            },  # fmt: skip
         ),
         ({"llama.rope.scaling.type": "none"}, None),
     ],

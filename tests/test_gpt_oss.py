@@ -31,6 +31,7 @@ from tinyllm.loaders.gguf import gguf_config, open_gguf
 from tinyllm.loaders.hf import hf_config
 from tinyllm.loaders.mxfp4 import E2M1_TIMES_2, hf_codes, mxfp4_groups
 from tinyllm.model.attention import cpu, get_backend
+from tinyllm.model.attention.cuda import CudaBackend
 from tinyllm.model.config import ModelLoadError, UnsupportedModelError
 from tinyllm.model.cpu_library import library_error
 from tinyllm.model.layer_executor import choose_layer_executor
@@ -250,6 +251,14 @@ def test_the_reference_sinks_are_transformers_eager_attention():
         module, *(t.transpose(0, 1)[None] for t in (q, k, v)), mask, scaling=0.25
     )
     torch.testing.assert_close(ours, theirs[0], atol=1e-6, rtol=1e-5)
+
+
+def test_the_cuda_backend_refuses_sinks_by_name():
+    """Its kernel has no sinks: it says so before launching anything (`auto` on CUDA takes the
+    reference for gpt-oss anyway, for its sliding window)."""
+    (q, k, v, k_cache, v_cache, meta), _ = build([(5, 5)], bs=4, Hq=2, Hkv=1, D=8, seed=0)
+    with pytest.raises(ValueError, match="no attention sinks .*attention_backend='reference'"):
+        CudaBackend(kernel=None).attend(q, k, v, k_cache, v_cache, meta, 1.0, sinks=torch.zeros(2))
 
 
 # ---- MXFP4 experts ----
