@@ -14,6 +14,19 @@ def engine_on(llm, **kw) -> LLMEngine:
     return LLMEngine(llm.engine.model, llm.tokenizer, EngineConfig(**kw))
 
 
+def assert_settings_give_the_bits_alone(
+    llm, batch: list[list[int]], params: SamplingParams, settings: dict[str, dict]
+) -> None:
+    """Each engine setting (EngineConfig fields, by a name for the message) gives every request
+    of `batch`, run together, the tokens and logprobs it gets alone on a default engine."""
+    alone = [run_all(engine_on(llm), [p], params)[0] for p in batch]
+    for name, setting in settings.items():
+        together = run_all(engine_on(llm, **setting), batch, params)
+        for a, b in zip(alone, together, strict=True):
+            assert b.outputs[0].token_ids == a.outputs[0].token_ids, name
+            assert b.outputs[0].logprobs == a.outputs[0].logprobs, name
+
+
 def run_all(
     engine: LLMEngine,
     prompts: list[list[int]],

@@ -34,10 +34,11 @@ KNOWN_PARAMETERS = {
     "llama-3.1-8b": 8_030_261_248,
     # Gemma 3 4B's text model: its checkpoint's 4.3B also count the SigLIP vision tower (0.42B).
     "gemma-3-4b": 3_880_263_168,
-    # The MoE models' published totals (their model cards: 6.9B, 30.5B, 46.7B).
+    # The MoE models' published totals (their model cards: 6.9B, 30.5B, 46.7B, 21B).
     "olmoe-1b-7b": 6.9e9,
     "qwen3-30b-a3b": 30.5e9,
     "mixtral-8x7b": 46.7e9,
+    "gpt-oss-20b": 21e9,
 }
 
 

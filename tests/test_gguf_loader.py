@@ -98,13 +98,14 @@ def write_gguf(
     qtype: Q = Q.F32,
     metadata: dict | None = None,
     raw: dict[str, Q] | None = None,
-    extra_tensors: dict[str, np.ndarray] | None = None,
+    extra_tensors: dict[str, np.ndarray | tuple[np.ndarray, Q]] | None = None,
     encode=None,
 ) -> Path:
     """A tiny model file, with a vocabulary of VOCAB tokens for its tokenizer. 2-D weights are
     stored as `qtype` (norms and biases stay F32, as in llama.cpp); tensors named in `raw` get
     blocks of the given type instead: `encode(shape, type, rng)`'s bytes, by default random
-    ones. A `metadata` value of None leaves the key out."""
+    ones. A `metadata` value of None leaves the key out. `extra_tensors`: more by their GGUF
+    names, as they are, or (values, type) quantized to that type."""
     writer = gguf.GGUFWriter(path, arch)
     values = {
         f"{arch}.block_count": LAYERS,
@@ -152,7 +153,10 @@ def write_gguf(
         else:
             writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
     for name, w in (extra_tensors or {}).items():
-        writer.add_tensor(name, w)
+        if isinstance(w, tuple):
+            writer.add_tensor(name, gguf.quants.quantize(*w), raw_dtype=w[1])
+        else:
+            writer.add_tensor(name, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -342,8 +346,17 @@ def test_metadata_defaults_and_vocab_fallbacks(tmp_path: Path):
                 "llama.rope.scaling.type": "yarn",
                 "llama.rope.scaling.factor": 4.0,
                 "llama.rope.scaling.original_context_length": 32768,
+                "llama.rope.scaling.yarn_beta_fast": 16.0,
             },
-            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+            # beta_slow and the ramp's truncation as llama.cpp has them
+            {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32768,
+                "beta_fast": 16.0,
+                "beta_slow": 1.0,
+                "truncate": True,
+            },  # fmt: skip
         ),
         ({"llama.rope.scaling.type": "none"}, None),
     ],

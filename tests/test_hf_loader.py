@@ -46,6 +46,18 @@ CASES = {
     "llama": ("Llama", dict(tie_word_embeddings=False)),
     "llama-tied": ("Llama", dict(tie_word_embeddings=True)),
     "llama3-rope": ("Llama", dict(rope_scaling=LLAMA3_ROPE, rope_theta=500000.0)),
+    # YaRN with transformers' defaults (truncated ramp, attention factor from `factor`): the
+    # max_position_embeddings of 128 is 8x the pretrained 16.
+    "llama-yarn": (
+        "Llama",
+        dict(
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 8.0,
+                "original_max_position_embeddings": 16,
+            }
+        ),
+    ),
     # A window above the test's length (tests/test_sliding_window.py runs prompts past one).
     "mistral": ("Mistral", dict(sliding_window=64)),
     "qwen2-tied": ("Qwen2", dict(tie_word_embeddings=True)),
@@ -254,13 +266,17 @@ def test_bad_paths(tmp_path: Path) -> None:
 def test_bad_configs(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedModelError, match="'gpt2'"):
         hf_config(_write_config(tmp_path / "gpt2", model_type="gpt2"))
-    with pytest.raises(UnsupportedModelError, match="yarn"):
+    with pytest.raises(UnsupportedModelError, match="dynamic"):
         hf_config(
             _write_config(
-                tmp_path / "yarn",
+                tmp_path / "dynamic",
                 model_type="llama",
-                rope_scaling={"rope_type": "yarn", "factor": 4.0},
+                rope_scaling={"rope_type": "dynamic", "factor": 4.0},
             )
+        )
+    with pytest.raises(ModelLoadError, match="yarn rope scaling lacks 'factor'"):
+        hf_config(
+            _write_config(tmp_path / "yarn", model_type="llama", rope_scaling={"type": "yarn"})
         )
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text("{not json")

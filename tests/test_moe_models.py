@@ -2,10 +2,9 @@
 directory and from GGUF against transformers, dense fp32 and on the int4 kernels, on both
 attention backends and layer executors; greedy tokens through the engine with chunked prefill,
 the prefix cache, preemption and speculative decoding; tensor parallelism over two processes;
-a token's bits alone and in a batch; the server with the official client; and gpt-oss, still
-refused, naming what it needs."""
+a token's bits alone and in a batch; the server with the official client; and Qwen2-MoE, still
+refused, naming what it needs (gpt-oss: tests/test_gpt_oss.py)."""
 
-import json
 import socket
 from pathlib import Path
 
@@ -15,13 +14,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import transformers
 
-from tests.engine_runs import engine_on, run_all
+from tests.engine_runs import assert_settings_give_the_bits_alone
 from tests.http_server import openai_client
 from tests.model_runs import load, prompt_logits, transformers_logits
 from tests.test_gguf_loader import VOCAB, llama_cpp_permute, write_gguf
-from tests.test_hf_loader import BASE, _random_hf_model, _write_tokenizer
+from tests.test_hf_loader import _random_hf_model, _write_tokenizer
 from tinyllm import LLM, SamplingParams
 from tinyllm.loaders import dummy
 from tinyllm.loaders.dummy import dummy_config, dummy_weights, parameter_count
@@ -321,12 +319,7 @@ def test_engine_settings_give_the_same_tokens_and_logprobs(llm):
     # Repeats, so the prefix cache hits and the ngram drafter finds its drafts.
     batch = base + [base[0] + base[2][:5], base[2][:8] * 2]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
-    alone = [run_all(engine_on(llm), [p], params)[0] for p in batch]
-    for name, setting in ENGINE_SETTINGS.items():
-        together = run_all(engine_on(llm, **setting), batch, params)
-        for a, b in zip(alone, together, strict=True):
-            assert b.outputs[0].token_ids == a.outputs[0].token_ids, name
-            assert b.outputs[0].logprobs == a.outputs[0].logprobs, name
+    assert_settings_give_the_bits_alone(llm, batch, params, ENGINE_SETTINGS)
 
 
 def test_a_tokens_bits_do_not_depend_on_its_batch(llm):
@@ -451,26 +444,13 @@ def test_gguf_ranks_read_their_slice_of_every_expert(checkpoint, family, tmp_pat
 # ---- what is still refused ----
 
 
-@pytest.mark.parametrize(
-    "arch,needs", [("gpt-oss", "attention sinks"), ("qwen2moe", "a shared expert")]
-)
+@pytest.mark.parametrize("arch,needs", [("qwen2moe", "a shared expert")])
 def test_unsupported_moe_gguf_is_refused_naming_what_it_needs(arch, needs, tmp_path):
     path = write_gguf(tmp_path / "m.gguf", {}, arch, metadata={f"{arch}.expert_count": 8})
     with pytest.raises(UnsupportedModelError) as error:
         gguf_config(open_gguf(path))
     (line,) = str(error.value).splitlines()
     assert f"GGUF architecture {arch!r} is not supported: it needs {needs}" in line
-
-
-def test_gpt_oss_is_refused_naming_what_it_needs(tmp_path):
-    cfg = {**BASE, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"}
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModelError) as error:
-        hf_config(tmp_path)
-    (line,) = str(error.value).splitlines()
-    assert line.startswith("GptOssForCausalLM (model_type 'gpt_oss') is not supported: it needs")
-    assert "attention sinks" in line and "MXFP4" in line and "qwen3_moe" in line
-    assert transformers.GptOssConfig.model_type == "gpt_oss"
 
 
 # ---- dummy weights of MoE shapes ----

@@ -104,6 +104,21 @@ def _linear_shapes(c: ModelConfig, layer: int) -> dict[str, tuple[int, int]]:
     return shapes
 
 
+def _vector_shapes(c: ModelConfig, layer: int) -> dict[str, int]:
+    """Sizes of decoder layer `layer`'s biases (q/k/v's, gpt-oss's o_proj's, router's and
+    experts') and attention sinks, each zeros in dummy weights."""
+    q, kv, h = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size
+    shapes = {"self_attn.qkv_proj.bias": (q + 2 * kv) * c.attention_bias}
+    shapes |= {"self_attn.o_proj.bias": h * c.o_proj_bias}
+    shapes |= {"self_attn.sinks": c.num_heads * c.attention_sinks}
+    if c.moe_bias and c.is_moe_layer(layer):
+        shapes["mlp.gate.bias"] = c.num_experts
+        for e in range(c.num_experts):
+            shapes[f"mlp.experts.{e}.gate_up_proj.bias"] = 2 * c.moe_intermediate_size
+            shapes[f"mlp.experts.{e}.down_proj.bias"] = h
+    return {name: n for name, n in shapes.items() if n}
+
+
 def parameter_count(c: ModelConfig) -> int:
     """The model's parameters as its checkpoint counts them (a tied head once), from shapes."""
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -114,8 +129,9 @@ def parameter_count(c: ModelConfig) -> int:
             + (2 + 2 * c.post_norms) * c.hidden_size
         )
         total += c.num_experts * c.hidden_size * c.is_moe_layer(i)  # the router
+        total += sum(_vector_shapes(c, i).values())
     norms = (q + kv) if c.qk_norm_all_heads else 2 * c.head_dim
-    total += c.num_layers * ((q + 2 * kv) * c.attention_bias + norms * c.qk_norm)
+    total += c.num_layers * norms * c.qk_norm
     embed = c.vocab_size * c.hidden_size
     return total + c.hidden_size + embed * (1 if c.tie_word_embeddings else 2)
 
@@ -214,9 +230,8 @@ def dummy_weights(
         gemma = ("pre_feedforward_layernorm", "post_feedforward_layernorm") * c.post_norms
         for norm in ("input_layernorm", "post_attention_layernorm", *gemma):
             weights[f"{p}{norm}.weight"] = ones(c.hidden_size)
-        if c.attention_bias:
-            q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-            weights[f"{p}self_attn.qkv_proj.bias"] = torch.zeros(q + 2 * kv, dtype=dtype)
+        for name, n in _vector_shapes(c, i).items():
+            weights[f"{p}{name}"] = torch.zeros(n, dtype=dtype)
         if c.qk_norm:
             q, kv = (c.num_heads, c.num_kv_heads) if c.qk_norm_all_heads else (1, 1)
             weights[f"{p}self_attn.q_norm.weight"] = ones(q * c.head_dim)

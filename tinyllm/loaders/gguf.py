@@ -22,7 +22,9 @@ from tinyllm.model.config import (
 from tinyllm.model.quant import GroupQuantized
 
 # Mistral's and Mixtral's GGUFs say "llama" (Mixtral's with experts).
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3moe", "olmoe")
+GGUF_ARCHITECTURES = (
+    "llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3moe", "olmoe", "gpt-oss",
+)  # fmt: skip
 # Gemma's sliding layers, as llama.cpp has them: all but every n-th (Gemma 2: every other,
 # Gemma 3: 5 of 6), unless the file gives {arch}.attention.sliding_window_pattern.
 GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
@@ -35,12 +37,16 @@ MOE_ARCHITECTURES = {
     "llama": ("mixtral", True),
     "qwen3moe": ("qwen3_moe", True),
     "olmoe": ("olmoe", False),
+    "gpt-oss": ("gpt_oss", False),  # the softmax of its top-k logits sums to 1 already
 }
+# gpt-oss's experts' SwiGLU clamp, which llama.cpp fixes where a file's swiglu_clamp_exp (one
+# per layer) does not give it.
+GPT_OSS_SWIGLU_LIMIT = 7.0
 
 Q = gguf.GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = (
     Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
-    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4,
 )  # fmt: skip
 
 # Files at least this big show a progress bar over their tensors on stderr (as vLLM and
@@ -218,6 +224,10 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str, head_dim: int, theta: floa
         scaling = {"rope_type": kind, "factor": _required(reader, f"{arch}.rope.scaling.factor")}
         if original is not None:
             scaling["original_max_position_embeddings"] = original
+        if kind == "yarn":  # llama.cpp's defaults; gpt-oss's ramp is not truncated
+            for beta, default in (("beta_fast", 32.0), ("beta_slow", 1.0)):
+                scaling[beta] = _value(reader, f"{arch}.rope.scaling.yarn_{beta}", default)
+            scaling["truncate"] = arch != "gpt-oss"
         return scaling
     if arch == "phi3":
         return _longrope_scaling(reader, arch, _required(reader, f"{arch}.context_length"))
@@ -283,6 +293,12 @@ def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
         config.sliding_window = window
     if arch in GEMMA_SWA_PATTERN:
         _gemma_fields(reader, arch, config, window)
+    if arch == "gpt-oss":  # a window on every other layer from the first, as llama.cpp's
+        config.sliding_window = window or None
+        config.sliding_window_layers = tuple(range(0, config.num_layers, 2))
+        config.o_proj_bias = "blk.0.attn_output.bias" in names
+        config.attention_sinks = "blk.0.attn_sinks.weight" in names
+        config.__post_init__()  # checks the window
     return config
 
 
@@ -332,7 +348,17 @@ def _experts(reader: gguf.GGUFReader, arch: str, names: set[str]) -> dict:
             _value(reader, f"{arch}.expert_weights_norm", MOE_ARCHITECTURES[arch][1])
         ),
         "dense_mlp_layers": tuple(i for i in layers if f"blk.{i}.ffn_down.weight" in names),
+        **(_gpt_oss_experts(reader, arch) if arch == "gpt-oss" else {}),
     }
+
+
+def _gpt_oss_experts(reader: gguf.GGUFReader, arch: str) -> dict:
+    """gpt-oss's expert fields: biases, the softmax of the top-k logits, the SwiGLU clamp."""
+    field = reader.get_field(f"{arch}.swiglu_clamp_exp")
+    limits = {float(field.parts[i][0]) for i in field.data} if field else {GPT_OSS_SWIGLU_LIMIT}
+    if len(limits) != 1:
+        raise UnsupportedModelError(f"{_where(reader)}: swiglu_clamp_exp differs by layer")
+    return dict(moe_bias=True, softmax_after_topk=True, swiglu_limit=limits.pop())
 
 
 def _tensor_names(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -371,6 +397,12 @@ def _tensor_names(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]
     if config.qk_norm:
         layer["attn_q_norm.weight"] = ("self_attn.q_norm.weight", (config.head_dim,))
         layer["attn_k_norm.weight"] = ("self_attn.k_norm.weight", (config.head_dim,))
+    if config.o_proj_bias:  # gpt-oss's
+        layer["attn_output.bias"] = ("self_attn.o_proj.bias", (h,))
+    if config.attention_sinks:
+        layer["attn_sinks.weight"] = ("self_attn.sinks", (config.num_heads,))
+    if config.architecture == "gpt_oss":  # its post_attention_layernorm, not ffn_norm
+        layer["post_attention_norm.weight"] = layer.pop("ffn_norm.weight")
     if config.qk_norm_all_heads:  # OLMoE's span all heads
         layer["attn_q_norm.weight"] = ("self_attn.q_norm.weight", (q,))
         layer["attn_k_norm.weight"] = ("self_attn.k_norm.weight", (kv,))
@@ -384,6 +416,11 @@ def _tensor_names(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]
         "ffn_up_exps.weight": ("mlp.experts.{}.up_proj.weight", (e, ffn_e, h)),
         "ffn_down_exps.weight": ("mlp.experts.{}.down_proj.weight", (e, h, ffn_e)),
     }
+    if config.moe_bias:  # gpt-oss's router's and experts' biases, the experts' stacked
+        moe["ffn_gate_inp.bias"] = ("mlp.gate.bias", (e,))
+        moe["ffn_gate_exps.bias"] = ("mlp.experts.{}.gate_proj.bias", (e, ffn_e))
+        moe["ffn_up_exps.bias"] = ("mlp.experts.{}.up_proj.bias", (e, ffn_e))
+        moe["ffn_down_exps.bias"] = ("mlp.experts.{}.down_proj.bias", (e, h))
     if config.architecture == "mixtral":  # files converted before the stacked tensors (2023)
         for e in range(config.num_experts):
             moe[f"ffn_gate.{e}.weight"] = (f"mlp.experts.{e}.gate_proj.weight", (ffn_e, h))
@@ -497,7 +534,7 @@ def gguf_tensors(
                 f"{where}: tensor {tensor.name!r} has shape {stored}, config implies {shape}"
             )
         as_groups = keep_quantized and tensor.tensor_type in KERNEL_BITS
-        if len(shape) == 3:  # stacked experts: one tensor each, viewing the file's bytes
+        if "{}" in hf_name:  # stacked experts: one tensor each, viewing the file's bytes
             for e in range(shape[0]):
                 args = (shape[1:], config, dtype, as_groups, where, e)
                 tensors[hf_name.format(e)] = GGUFTensor(tensor, *args)

@@ -9,6 +9,7 @@ from 6-bit sub-scales. So:
 - 5- and 8-bit codes (Q5_0, Q5_1, Q5_K, Q8_0) are 8-bit groups, the codes shifted so none is 0
   (pack says why): by 112 for Q5_0 (m = -16d becomes -128d, exact), by 1 for Q5_1 and Q5_K,
   whose m - d is then rounded to fp16.
+MXFP4 (gpt-oss's experts) is 8-bit groups exactly (loaders/mxfp4.py).
 Q2_K, Q3_K and Q6_K have sub-blocks of 16, two scales in one of the kernel's groups: their
 weights are dequantized and rounded again (model/quant.py's int4_groups or int8_groups).
 docs/MEASUREMENTS.md, "GGUF block types", gives what each choice costs.
@@ -20,6 +21,7 @@ import gguf
 import numpy as np
 import torch
 
+from tinyllm.loaders.mxfp4 import mxfp4_groups
 from tinyllm.model.quant import GroupQuantized, int4_groups, int8_groups
 
 Q = gguf.GGMLQuantizationType
@@ -31,7 +33,7 @@ GROUP_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K, *SHIFT_8BIT)  # packed as stored
 # in 8-bit groups.
 KERNEL_BITS = {
     **dict.fromkeys((Q.Q4_0, Q.Q4_1, Q.Q2_K, Q.Q3_K, Q.Q4_K), 4),
-    **dict.fromkeys((Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q8_0), 8),
+    **dict.fromkeys((Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.MXFP4), 8),
 }
 FP16_MAX = float(np.finfo(np.float16).max)  # the kernel stores d and m in fp16
 
@@ -111,6 +113,11 @@ def groups(data: np.ndarray, qtype: Q, shape: tuple[int, int]) -> GroupQuantized
     stored, the others dequantized and rounded again (see the module docstring)."""
     if qtype in GROUP_TYPES:
         return stored_groups(data, qtype, shape)
+    if qtype == Q.MXFP4:  # each block: an E8M0 scale, then 16 bytes of values j (low), j + 16
+        blocks = np.ascontiguousarray(data).reshape(-1, 17)
+        codes = torch.from_numpy(_nibbles(blocks[:, None, 1:])).reshape(shape)
+        scales = torch.from_numpy(blocks[:, 0].copy()).reshape(shape[0], -1)
+        return mxfp4_groups(codes, scales)
     w = torch.from_numpy(gguf.quants.dequantize(data, qtype)).reshape(shape)
     return (int4_groups if KERNEL_BITS[qtype] == 4 else int8_groups)(w)
 

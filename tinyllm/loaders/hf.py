@@ -9,6 +9,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
+from tinyllm.loaders.hf_experts import ROUTER, STACKED_EXPERTS, stacked_expert_tensors
 from tinyllm.loaders.stored import ALL, StoredTensor, covers
 from tinyllm.model.config import (
     SUPPORTED_ARCHITECTURES,
@@ -31,6 +32,7 @@ _ARCH_BY_CLASS = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # Hugging Face model_types that are a supported architecture under another name.
 _MODEL_TYPE_ALIASES = {"gemma3_text": "gemma3"}
@@ -52,6 +54,14 @@ _GEMMA_DEFAULTS = {
         sliding_window_pattern=6,
     ),
 }  # fmt: skip
+# What transformers' GptOssConfig assumes for keys a config.json leaves out.
+_GPT_OSS_DEFAULTS = dict(
+    rope_theta=150000.0, sliding_window=128, swiglu_limit=7.0, attention_bias=True,
+    rope_scaling=dict(
+        rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+        original_max_position_embeddings=4096,
+    ),
+)  # fmt: skip
 # A Gemma 3 vision-language checkpoint's text model, under the text model's own names; the
 # vision tower and projector are not loaded.
 _TEXT_MODEL_PREFIXES = {
@@ -65,7 +75,7 @@ _VISION_PREFIXES = tuple(
     for part in ("vision_tower", "multi_modal_projector")
 )
 # Kept in step with model.Rope: checked here so an unsupported model fails before its weights load.
-_ROPE_TYPES = (None, "default", "llama3", "linear", "longrope")
+_ROPE_TYPES = (None, "default", "llama3", "linear", "longrope", "yarn")
 # Phi-3's configs written before transformers named LongRoPE (transformers reads them the same).
 _PHI3_LONGROPE_ALIASES = ("su", "yarn")
 # Buffers some checkpoints saved alongside the weights; tinyllm recomputes them.
@@ -135,12 +145,16 @@ def _rope(cfg: dict, arch: str) -> tuple[float, dict | None, float]:
         kind = "longrope"
     if kind not in _ROPE_TYPES:
         raise UnsupportedModelError(
-            f"unsupported rope scaling {kind!r}; tinyllm supports llama3, linear and longrope"
+            f"unsupported rope scaling {kind!r}; tinyllm supports llama3, linear, longrope and yarn"
         )
     if kind == "longrope":
         return theta, _longrope(params, cfg), partial
+    if kind == "yarn" and params.get("factor") is None:
+        raise ModelLoadError("yarn rope scaling lacks 'factor'")
     drop = ("rope_theta", "partial_rotary_factor")
     scaling = {k: v for k, v in params.items() if k not in drop}
+    if kind == "yarn":  # transformers' default for the pretrained context
+        scaling.setdefault("original_max_position_embeddings", cfg["max_position_embeddings"])
     return theta, (scaling if kind not in (None, "default") else None), partial
 
 
@@ -222,9 +236,29 @@ def _gemma_fields(cfg: dict, config: ModelConfig) -> None:
     config.__post_init__()  # checks hidden_act and the window
 
 
+def _gpt_oss_fields(cfg: dict, config: ModelConfig) -> None:
+    """gpt-oss's own fields of `config`: biases on q/k/v and o, attention sinks, a sliding window
+    on the layers layer_types marks (by default every other one, from the first)."""
+    quant = (cfg.get("quantization_config") or {}).get("quant_method")
+    if quant not in (None, "mxfp4"):
+        raise UnsupportedModelError(f"gpt-oss quantized by {quant!r}: tinyllm reads mxfp4")
+    n = config.num_layers
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)
+    ]
+    if len(types) != n:
+        raise ModelLoadError(f"layer_types has {len(types)} entries for {n} layers")
+    layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if cfg["sliding_window"] and layers:
+        config.sliding_window, config.sliding_window_layers = cfg["sliding_window"], layers
+    config.o_proj_bias = config.attention_bias
+    config.attention_sinks = True
+    config.__post_init__()  # checks the window
+
+
 def hf_config(model_dir: str | Path) -> ModelConfig:
     """Read `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3, Qwen3-MoE,
-    Mixtral or OLMoE checkpoint (`model_dir` is its directory, or the file itself)."""
+    Mixtral, OLMoE or gpt-oss checkpoint (`model_dir` is its directory, or the file itself)."""
     path = Path(model_dir)
     path = path if path.is_file() else path / "config.json"
     cfg = _read_json(path)
@@ -232,6 +266,8 @@ def hf_config(model_dir: str | Path) -> ModelConfig:
     gemma = arch in _GEMMA
     if gemma:
         cfg = _gemma_config(cfg, arch)
+    if arch == "gpt_oss":
+        cfg = _GPT_OSS_DEFAULTS | {k: v for k, v in cfg.items() if v is not None}
     elif cfg.get("hidden_act", "silu") not in ("silu", "swish"):
         raise UnsupportedModelError(f"unsupported hidden_act {cfg['hidden_act']!r}; needs silu")
     try:
@@ -266,17 +302,30 @@ def hf_config(model_dir: str | Path) -> ModelConfig:
         )
         if gemma:
             _gemma_fields(cfg, config)
+        elif arch == "gpt_oss":
+            _gpt_oss_fields(cfg, config)
+        else:
+            _sliding_window(cfg, config)
     except KeyError as e:
         raise ModelLoadError(f"{path} lacks {e.args[0]!r}") from None
-    if not gemma:
-        _sliding_window(cfg, config)
     return config
 
 
 def _experts(cfg: dict, arch: str) -> dict:
     """ModelConfig's mixture-of-experts fields, as transformers reads them: Qwen3-MoE's experts
     on the layers decoder_sparse_step marks and not in mlp_only_layers; Mixtral's and OLMoE's
-    on every layer. Mixtral always renormalises its top-k; the others by norm_topk_prob."""
+    on every layer. Mixtral always renormalises its top-k; the others by norm_topk_prob. gpt-oss:
+    biases, the softmax of the top-k logits, the clamped SwiGLU (swiglu_limit, swiglu_alpha)."""
+    if arch == "gpt_oss":
+        return {
+            "num_experts": cfg["num_local_experts"],
+            "num_experts_per_tok": cfg["num_experts_per_tok"],
+            "moe_intermediate_size": cfg["intermediate_size"],
+            "moe_bias": True,
+            "softmax_after_topk": True,
+            "swiglu_limit": float(cfg["swiglu_limit"]),
+            "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)),
+        }
     if arch not in ("qwen3_moe", "mixtral", "olmoe"):
         return {}
     if arch == "olmoe" and cfg.get("clip_qkv") is not None:
@@ -293,6 +342,14 @@ def _experts(cfg: dict, arch: str) -> dict:
         "norm_topk_prob": arch == "mixtral" or cfg.get("norm_topk_prob", False),
         "dense_mlp_layers": dense,
     }
+
+
+def hf_stored_bits(model_dir: Path) -> set[int]:
+    """{8} for a checkpoint whose experts are MXFP4 (read as exact 8-bit groups, loaders/mxfp4.py),
+    so that quantization "auto" keeps them as stored; else none."""
+    cfg = _read_json(model_dir / "config.json")
+    mxfp4 = (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    return {8} if mxfp4 else set()
 
 
 def _shard_map(model_dir: Path) -> dict[str, list[str] | None]:
@@ -341,13 +398,14 @@ class SafetensorsTensor(StoredTensor):
 
 
 def _model_name(name: str) -> str:
-    """A checkpoint's tensor name as the model names it (Mixtral's experts renamed)."""
+    """A checkpoint's tensor name as the model names it (Mixtral's experts and gpt-oss's
+    router renamed)."""
 
     def rename(m: re.Match) -> str:
         gate, expert, w = m.groups()
         return ".mlp.gate." if gate else f".mlp.experts.{expert}.{_MIXTRAL_EXPERT[w]}."
 
-    return _MIXTRAL_NAMES.sub(rename, name)
+    return ROUTER.sub(".mlp.gate.", _MIXTRAL_NAMES.sub(rename, name))
 
 
 def _own_name(name: str) -> str | None:
@@ -366,7 +424,8 @@ def hf_tensors(
 ) -> dict[str, SafetensorsTensor]:
     """Every tensor of the checkpoint the model uses, opened but not read (see
     SafetensorsTensor), by the model's names; `config` (hf_config's) says whether its norms
-    scale by 1 + w (Gemma's)."""
+    scale by 1 + w (Gemma's) and how many experts a stacked tensor holds (gpt-oss's, see
+    loaders/hf_experts.py)."""
     model_dir = Path(model_dir)
     plus_one = config is not None and config.architecture in _GEMMA
     tensors: dict[str, SafetensorsTensor] = {}
@@ -376,7 +435,10 @@ def hf_tensors(
             file = safe_open(path, framework="pt")
             for name in names if names is not None else file.keys():
                 own = _own_name(name)
-                if own is not None:
+                if own is not None and STACKED_EXPERTS.fullmatch(own) and config is not None:
+                    experts = stacked_expert_tensors(file, path, own, config.num_experts, dtype)
+                    tensors.update(experts)
+                elif own is not None:
                     norm = plus_one and own.endswith("norm.weight")
                     tensors[_model_name(own)] = SafetensorsTensor(file, name, path, dtype, norm)
         except (SafetensorError, OSError) as e:

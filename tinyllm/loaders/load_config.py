@@ -14,8 +14,9 @@ LOAD_FORMATS = ("auto", "dummy")
 # The named real configs shipped in tinyllm/loaders/configs (loaders/dummy.py's named_configs()
 # lists the folder; named here, so the help needs no file listing).
 DUMMY_CONFIGS = ("qwen2.5-0.5b", "llama-3.2-1b", "qwen3-1.7b", "llama-3.1-8b", "gemma-3-4b")
-# Mixture-of-experts shapes (qwen3-30b-a3b and mixtral-8x7b need more memory than 32 GB in int4).
-DUMMY_CONFIGS += ("olmoe-1b-7b", "qwen3-30b-a3b", "mixtral-8x7b")
+# Mixture-of-experts shapes (qwen3-30b-a3b and mixtral-8x7b need more memory than 32 GB in int4,
+# gpt-oss-20b about 19 GiB).
+DUMMY_CONFIGS += ("olmoe-1b-7b", "qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import gguf
 import torch
 
 from tinyllm.loaders.gguf import gguf_config, gguf_tensors, open_gguf, stored_bits
-from tinyllm.loaders.hf import hf_config, hf_tensors
+from tinyllm.loaders.hf import hf_config, hf_stored_bits, hf_tensors
 from tinyllm.loaders.stored import StoredTensor
 from tinyllm.model.config import ModelConfig, ModelLoadError
 from tinyllm.text.tokenizer import Tokenizer
@@ -102,8 +102,9 @@ class ModelFiles:
 
     @property
     def stored_bits(self) -> set[int]:
-        """The bits its weight matrices are stored in, where quantized (a GGUF's), else none."""
-        return stored_bits(self.reader) if self.reader is not None else set()
+        """The bits its weight matrices are stored in, where quantized (a GGUF's, or 8 for
+        MXFP4 experts), else none."""
+        return stored_bits(self.reader) if self.reader is not None else hf_stored_bits(self.path)
 
 
 def open_model(model: str | None) -> ModelFiles:

@@ -8,7 +8,7 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral",
-    "olmoe",
+    "olmoe", "gpt_oss",
 )  # fmt: skip
 
 # Families close to the supported ones that tinyllm refuses, and why: what their layers do that
@@ -22,11 +22,6 @@ REFUSED_ARCHITECTURES = {
     ),
 }
 REFUSED_ARCHITECTURES["phi2"] = REFUSED_ARCHITECTURES["phi"]  # Phi-2's GGUF architecture
-REFUSED_ARCHITECTURES["gpt_oss"] = (
-    "attention sinks, sliding-window attention on every other layer, YaRN RoPE, a clamped "
-    "SwiGLU with biases in its experts and MXFP4 expert weights"
-)
-REFUSED_ARCHITECTURES["gpt-oss"] = REFUSED_ARCHITECTURES["gpt_oss"]  # its GGUF architecture
 REFUSED_ARCHITECTURES["qwen2_moe"] = (
     "a shared expert, with its own sigmoid gate, beside the routed experts (model/moe.py has "
     "routed experts only)"
@@ -56,11 +51,14 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    # Hugging Face's rope_scaling dict, of rope_type llama3, linear or longrope (model.Rope);
-    # longrope's carries its attention_factor, worked out by the loader.
+    # Hugging Face's rope_scaling dict, of rope_type llama3, linear, longrope or yarn
+    # (model.Rope); longrope's carries its attention_factor, worked out by the loader.
     rope_scaling: dict | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    o_proj_bias: bool = False  # gpt-oss: bias on o_proj too
+    # gpt-oss: a learned logit per query head in each softmax's denominator, with no value.
+    attention_sinks: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k before RoPE
     rotary_dim: int | None = None  # RoPE on each head's first rotary_dim dims (None: all of them)
     # Sliding-window attention (Mistral): a query at position p sees keys max(0, p - W + 1)..p,
@@ -83,6 +81,13 @@ class ModelConfig:
     norm_topk_prob: bool = False  # the top-k probabilities renormalised to sum to 1
     # The layers with a dense MLP in a MoE model (Qwen3-MoE's mlp_only_layers, decoder_sparse_step).
     dense_mlp_layers: tuple[int, ...] = ()
+    # gpt-oss: biases on the router and the experts' projections; the router's softmax over its
+    # top-k logits (not the top-k of its softmax); the experts' clamped SwiGLU,
+    # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit).
+    moe_bias: bool = False
+    softmax_after_topk: bool = False
+    swiglu_limit: float | None = None  # None: the experts' activation is SiLU(gate) * up
+    swiglu_alpha: float = 1.702
     # OLMoE: q_norm and k_norm span all heads' width (one norm of q's whole row), not one head.
     qk_norm_all_heads: bool = False
     # Pooling models (embeddings, rerank; engine/pooling): what the runner does with a finished
@@ -153,6 +158,11 @@ class ModelConfig:
             raise ValueError(
                 f"tensor parallelism does not split {self.architecture}: its q/k norms span all "
                 "heads, so each rank's heads would need the others' to normalise"
+            )
+        if self.attention_sinks or self.o_proj_bias or self.moe_bias:
+            raise ValueError(
+                f"tensor parallelism does not split {self.architecture}: its o_proj and experts' "
+                "down_proj biases would be added once per rank, its sinks split by head"
             )
         split = {
             "num_heads": self.num_heads,

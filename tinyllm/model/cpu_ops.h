@@ -42,6 +42,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                      const std::optional<at::Tensor>& slot_mapping,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, int64_t num_rows, double scale,
-                     std::optional<int64_t> window, std::optional<double> softcap = std::nullopt);
+                     std::optional<int64_t> window, std::optional<double> softcap = std::nullopt,
+                     const std::optional<at::Tensor>& sinks = std::nullopt);
 
 }  // namespace tinyllm

@@ -40,7 +40,8 @@ void check_residual(const char* op, const at::Tensor& residual, const char* name
 
 // residual += hidden (when given; the first layer has nothing to add; with hidden_norm, the
 // RMSNorm of hidden by it: the previous layer's post-feedforward norm), then o_proj(attention(
-// RMSNorm(residual))), returned; softcap: the kernel's soft-capping of scores (Gemma 2).
+// RMSNorm(residual))), returned; softcap: the kernel's soft-capping of scores (Gemma 2); sinks:
+// its per-head softmax sinks, o_bias o_proj's bias (gpt-oss).
 // weights: input_layernorm, qkv_proj, o_proj; a projection is a dense weight or QuantLinear's
 // packed records (cpu_ops.h linear). The K/V cache, the step's
 // metadata and the layer's sliding window (None: none) are what attention/cpu.py passes the same
@@ -58,7 +59,8 @@ at::Tensor decoder_attention(const std::optional<at::Tensor>& hidden, const at::
                              int64_t kv_heads, double eps, double scale,
                              std::optional<int64_t> window,
                              const std::optional<at::Tensor>& hidden_norm,
-                             std::optional<double> softcap) {
+                             std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
+                             const std::optional<at::Tensor>& o_bias) {
   TORCH_CHECK(weights.size() == 3, "decoder_attention: 3 weights, not ", weights.size());
   check_residual("decoder_attention", residual, "hidden", hidden);
   TORCH_CHECK(k_cache.dim() == 4, "decoder_attention: k_cache ", k_cache.sizes(),
@@ -92,8 +94,8 @@ at::Tensor decoder_attention(const std::optional<at::Tensor>& hidden, const at::
   tinyllm::rotary(qkv, positions, cos, sin, heads + kv_heads, dim);
   at::Tensor attn = at::empty({n, heads, dim}, residual.options());
   tinyllm::paged_attention(attn, q, k_cache, v_cache, k, v, slot_mapping, block_tables, seq_lens,
-                           query_start_loc, num_rows, scale, window, softcap);
-  return tinyllm::linear(attn.view({n, heads * dim}), o_w, std::nullopt, hidden_size);
+                           query_start_loc, num_rows, scale, window, softcap, sinks);
+  return tinyllm::linear(attn.view({n, heads * dim}), o_w, o_bias, hidden_size);
 }
 
 // residual += o (with o_norm, the RMSNorm of o by it: Gemma's post-attention norm), then
@@ -140,7 +142,7 @@ TORCH_LIBRARY_FRAGMENT(tinyllm, m) {
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int num_rows, "
       "Tensor[] weights, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, int heads, "
       "int kv_heads, float eps, float scale, int? window, Tensor? hidden_norm=None, "
-      "float? softcap=None) -> Tensor",
+      "float? softcap=None, Tensor? sinks=None, Tensor? o_bias=None) -> Tensor",
       &decoder_attention);
   m.def(
       "decoder_mlp(Tensor o, Tensor(a!) residual, Tensor[] weights, int intermediate, float eps, "

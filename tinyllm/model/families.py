@@ -19,6 +19,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen3_moe": Transformer,
     "mixtral": Transformer,
     "olmoe": Transformer,
+    # and with attention sinks, biases and a clamped SwiGLU in its experts (ModelConfig's fields).
+    "gpt_oss": Transformer,
 }
 
 

@@ -101,6 +101,14 @@ def has_op(name: str) -> bool:
     return library_error() is None and hasattr(torch.ops.tinyllm, name)
 
 
+def clamped_swiglu_torch(x: Tensor, alpha: float, limit: float) -> Tensor:
+    """gpt-oss's experts' activation of x = [gate | up] (N, 2F), in fp32: g = min(gate, limit),
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)."""
+    gate, up = x.float().chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return ((up + 1) * (gate * torch.sigmoid(alpha * gate))).to(x.dtype)
+
+
 def moe_experts(
     x: Tensor,
     topk_ids: Tensor,
@@ -108,15 +116,22 @@ def moe_experts(
     gate_up: list[Tensor],
     down: list[Tensor],
     intermediate: int,
+    gate_up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None,
+    swiglu_limit: float | None = None,
+    swiglu_alpha: float = 1.702,
 ) -> Tensor:
     """A mixture-of-experts layer's output for x (N, hidden): for each token t, the sum over
     j = 0..k-1 (in that order, in fp32) of topk_weights[t, j] times expert topk_ids[t, j]'s
     SwiGLU MLP on x[t], rounded once to x's dtype. gate_up[e], down[e]: expert e's weights as
     layers.op_weight gives them (dense, or QuantLinear's packed records); `intermediate`: an
-    expert's FFN width. Each chosen expert runs once over the rows that chose it."""
+    expert's FFN width. Each chosen expert runs once over the rows that chose it. gpt-oss: the
+    experts' biases (gate_up_bias, down_bias: a row per expert) and, with swiglu_limit, the
+    clamped SwiGLU (clamped_swiglu_torch) in place of SiLU(gate) * up."""
+    args = (x, topk_ids, topk_weights, gate_up, down, intermediate, gate_up_bias, down_bias)
     if native(x) and x.is_contiguous() and has_op("moe_experts"):
-        return torch.ops.tinyllm.moe_experts(x, topk_ids, topk_weights, gate_up, down, intermediate)
-    return moe_experts_torch(x, topk_ids, topk_weights, gate_up, down, intermediate)
+        return torch.ops.tinyllm.moe_experts(*args, swiglu_limit, swiglu_alpha)
+    return moe_experts_torch(*args, swiglu_limit, swiglu_alpha)
 
 
 def _expert_linear(x: Tensor, w: Tensor, n: int) -> Tensor:
@@ -128,7 +143,18 @@ def _expert_linear(x: Tensor, w: Tensor, n: int) -> Tensor:
     return torch.ops.tinyllm.quant_linear(x, w, n, bits)
 
 
-def moe_experts_torch(x, topk_ids, topk_weights, gate_up, down, intermediate):
+def moe_experts_torch(
+    x,
+    topk_ids,
+    topk_weights,
+    gate_up,
+    down,
+    intermediate,
+    gate_up_bias=None,
+    down_bias=None,
+    swiglu_limit=None,
+    swiglu_alpha=1.702,
+):
     n, k = topk_ids.shape
     hidden = x.shape[1]
     # Each (token, choice)'s weighted expert output, summed over the choices in order below.
@@ -137,8 +163,14 @@ def moe_experts_torch(x, topk_ids, topk_weights, gate_up, down, intermediate):
     for e in choices.unique().tolist():
         slots = (choices == e).nonzero().squeeze(1)
         rows = x[slots // k].contiguous()
-        act = silu_and_mul(_expert_linear(rows, gate_up[e], 2 * intermediate))
+        h = _expert_linear(rows, gate_up[e], 2 * intermediate)
+        h = h if gate_up_bias is None else h + gate_up_bias[e]
+        if swiglu_limit is None:
+            act = silu_and_mul(h)
+        else:
+            act = clamped_swiglu_torch(h, swiglu_alpha, swiglu_limit)
         out = _expert_linear(act, down[e], hidden)
+        out = out if down_bias is None else out + down_bias[e]
         parts[slots] = out.float() * weights[slots, None]
     parts = parts.view(n, k, hidden)
     total = parts[:, 0].clone()

@@ -53,10 +53,41 @@ def _longrope_inv_freq(inv_freq: Tensor, scaling: dict, context: int) -> Tensor:
     return inv_freq / torch.tensor(factors, dtype=torch.float64)
 
 
+def _yarn(inv_freq: Tensor, scaling: dict, dim: int, theta: float) -> tuple[Tensor, float]:
+    """YaRN (gpt-oss): frequencies that turn fewer than beta_slow times over the pretrained
+    context divided by `factor`, those turning more than beta_fast times kept, a linear ramp
+    between; and its attention factor on cos and sin (0.1 ln(factor) + 1), as transformers'
+    _compute_yarn_parameters."""
+    factor, old_ctx = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high += 0.001 if low == high else 0  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+
+        def get_mscale(m: float = 1.0) -> float:
+            return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+        both = mscale and mscale_all
+        attention_factor = get_mscale(mscale) / get_mscale(mscale_all) if both else get_mscale()
+    return inv_freq, attention_factor
+
+
 class Rope:
     """Rotary embedding tables: cos and sin of each position's angles, (positions, rotary dims /
-    2) in fp32, for layer_ops.rotary. `context`: the longest sequence served (max_model_len;
-    None: the model's context), which picks LongRoPE's factors. `local`: the sliding layers'
+    2) in fp32, for layer_ops.rotary; LongRoPE and YaRN scale both by their attention factor.
+    `context`: the longest sequence served (max_model_len; None: the model's context), which
+    picks LongRoPE's factors. `local`: the sliding layers'
     own tables (Gemma 3): config.rope_local_theta's base, unscaled."""
 
     def __init__(
@@ -80,9 +111,12 @@ class Rope:
         elif kind == "longrope":
             context = context or config.max_position_embeddings
             inv_freq = _longrope_inv_freq(inv_freq, scaling, context)
+        elif kind == "yarn":
+            inv_freq, attention_factor = _yarn(inv_freq, scaling, d, theta)
         elif kind not in (None, "default"):
             raise ValueError(
-                f"unsupported rope scaling {kind!r}: tinyllm supports llama3, linear, longrope"
+                f"unsupported rope scaling {kind!r}: tinyllm supports llama3, linear, longrope, "
+                "yarn"
             )
         n = config.max_position_embeddings
         freqs = torch.outer(torch.arange(n, dtype=torch.float64), inv_freq)
@@ -93,7 +127,7 @@ class Rope:
 class Attention(nn.Module):
     """Self-attention of layer `layer`: qkv_proj, Qwen3's (and Gemma 3's) per-head q/k norms where
     the config has them, rotary, the backend's attention over the layer's paged K/V cache (Gemma
-    2's scores soft-capped), o_proj."""
+    2's scores soft-capped, gpt-oss's sinks in the softmax), o_proj."""
 
     def __init__(self, c: ModelConfig, layer: int):
         super().__init__()
@@ -105,7 +139,9 @@ class Attention(nn.Module):
         # q, k and v as one matrix product (fuse_projections stacks Hugging Face's three).
         width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         self.qkv_proj = nn.Linear(c.hidden_size, width, bias=c.attention_bias)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_proj_bias)
+        # gpt-oss's sinks: a logit per query head in the softmax's denominator (HF's name).
+        self.sinks = nn.Parameter(torch.zeros(c.num_heads)) if c.attention_sinks else None
         if c.qk_norm:  # per head (Qwen3), or over all heads' width (OLMoE)
             q_width = k_width = c.head_dim
             if c.qk_norm_all_heads:
@@ -126,7 +162,7 @@ class Attention(nn.Module):
         layer_ops.rotary(qkv, positions, rope.cos, rope.sin, H + KV, D)
         k_cache, v_cache = ctx.kv_caches[self.layer]
         out = ctx.backend.forward(
-            q, k, v, k_cache, v_cache, ctx.meta, self.scale, self.window, self.softcap
+            q, k, v, k_cache, v_cache, ctx.meta, self.scale, self.window, self.softcap, self.sinks
         )
         return self.o_proj(out.reshape(N, -1))
 

@@ -13,8 +13,10 @@ metadata. Under tensor parallelism the same model holds one rank's part (ModelCo
 model/tensor_parallel.apply_tp gives each layer the all-reduce it calls after o_proj and
 down_proj.
 
-Mixture-of-experts families (Qwen3-MoE, Mixtral, OLMoE) are this model with model/moe.py's
-SparseMoE in place of the MLP on the layers their config marks (ModelConfig.is_moe_layer).
+Mixture-of-experts families (Qwen3-MoE, Mixtral, OLMoE, gpt-oss) are this model with
+model/moe.py's SparseMoE in place of the MLP on the layers their config marks
+(ModelConfig.is_moe_layer); gpt-oss's attention adds biases, per-head sinks (Attention.sinks)
+and YaRN RoPE, all from the config.
 
 A decoder layer runs as its modules or as two C++ ops from the same kernels
 (model/decoder_layer.cpp): which is set once for the whole model (Transformer.set_layer_executor,
@@ -52,6 +54,9 @@ class AttentionArgs(NamedTuple):
     # before its add; Gemma 2's attention-logit soft-capping.
     hidden_norm: Tensor | None = None
     softcap: float | None = None
+    # gpt-oss: its per-head softmax sinks and o_proj's bias.
+    sinks: Tensor | None = None
+    o_bias: Tensor | None = None
 
 
 class MLPArgs(NamedTuple):
@@ -96,19 +101,13 @@ class DecoderLayer(nn.Module):
             eps=c.rms_norm_eps,
             scale=a.scale,
             window=a.window,
+            sinks=a.sinks,
+            o_bias=a.o_proj.bias,
         )
         norm = self.post_attention_layernorm
         if isinstance(mlp, SparseMoE):
             mlp.gather()
-            self.mlp_args = MoEArgs(
-                weights=[norm.weight, mlp.gate.weight],
-                gate_up=mlp.gate_up,
-                down=mlp.down,
-                top_k=mlp.top_k,
-                norm_topk_prob=mlp.norm_topk_prob,
-                intermediate=mlp.intermediate,
-                eps=c.rms_norm_eps,
-            )
+            self.mlp_args = mlp.args(norm.weight, c.rms_norm_eps)
             return
         gate_up, down = mlp.gate_up_proj, mlp.down_proj
         self.mlp_args = MLPArgs(

@@ -85,12 +85,34 @@ Groups group_slots(const int64_t* ids, int64_t slots, int64_t num_experts) {
   return g;
 }
 
+// gpt-oss's clamped SwiGLU of h = [gate | up] (rows, 2F) into out (rows, F), in fp32: g =
+// min(gate, limit), (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g). Row by row.
+void clamped_swiglu(const at::Tensor& out, const at::Tensor& h, double alpha, double limit) {
+  const int64_t rows = h.size(0), f = out.size(1);
+  const float a = static_cast<float>(alpha), lim = static_cast<float>(limit);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, h.scalar_type(), "clamped_swiglu", [&] {
+    const scalar_t* in = h.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t i = 0; i < f; ++i) {
+        const float g = std::min(static_cast<float>(in[r * 2 * f + i]), lim);
+        const float u = std::clamp(static_cast<float>(in[r * 2 * f + f + i]), -lim, lim);
+        o[r * f + i] = static_cast<scalar_t>((u + 1.f) * (g / (1.f + std::exp(-a * g))));
+      }
+    }
+  });
+}
+
 // out[t] = sum over j of topk_weights[t, j] * expert topk_ids[t, j]'s MLP on x[t], summed in
 // fp32 in slot order and rounded once to x's dtype. gate_up[e], down[e]: expert e's weights,
-// dense or packed (linear in cpu_ops.h); only the experts some slot chose are read.
+// dense or packed (linear in cpu_ops.h); only the experts some slot chose are read. With
+// gate_up_bias (experts, 2F) and down_bias (experts, hidden), row e is expert e's biases; with
+// swiglu_limit the activation is clamped_swiglu's (gpt-oss), else SiLU(gate) * up.
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_ids,
                        const at::Tensor& topk_weights, at::TensorList gate_up, at::TensorList down,
-                       int64_t intermediate) {
+                       int64_t intermediate, const std::optional<at::Tensor>& gate_up_bias,
+                       const std::optional<at::Tensor>& down_bias,
+                       std::optional<double> swiglu_limit, double swiglu_alpha) {
   const char* op = "moe_experts";
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op,
@@ -116,6 +138,15 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_ids,
                 "] = ", ids[s], " is not an expert: there are ", num_experts, " (0 to ",
                 num_experts - 1, ")");
   }
+  for (const auto* b : {&gate_up_bias, &down_bias}) {
+    const int64_t width = b == &gate_up_bias ? 2 * intermediate : hidden;
+    TORCH_CHECK(!*b || ((*b)->dim() == 2 && (*b)->size(0) == num_experts &&
+                        (*b)->size(1) == width && (*b)->scalar_type() == dtype &&
+                        (*b)->is_contiguous()),
+                op, ": ", b == &gate_up_bias ? "gate_up_bias " : "down_bias ",
+                *b ? (*b)->sizes() : at::IntArrayRef{}, " must be a contiguous [", num_experts,
+                ", ", width, "] of x's dtype: a row for each expert");
+  }
   const Groups g = group_slots(ids, n * k, num_experts);
   for (const int64_t e : g.experts) {
     check_weight(op, "gate_up", e, gate_up[e], 2 * intermediate, hidden, dtype);
@@ -137,10 +168,17 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_ids,
       std::memcpy(rows + r * row_bytes, xs + g.slots[r] / k * row_bytes, row_bytes);
     }
     const at::Tensor in = gathered.narrow(0, first, count);
-    const at::Tensor h = tinyllm::linear(in, gate_up[e], std::nullopt, 2 * intermediate);
+    auto bias = [e](const std::optional<at::Tensor>& b) -> std::optional<at::Tensor> {
+      return b ? std::optional<at::Tensor>(b->select(0, e)) : std::nullopt;
+    };
+    const at::Tensor h = tinyllm::linear(in, gate_up[e], bias(gate_up_bias), 2 * intermediate);
     at::Tensor act = at::empty({count, intermediate}, x.options());
-    tinyllm::silu_and_mul(act, h);
-    results[i] = tinyllm::linear(act, down[e], std::nullopt, hidden);
+    if (swiglu_limit) {
+      clamped_swiglu(act, h, swiglu_alpha, *swiglu_limit);
+    } else {
+      tinyllm::silu_and_mul(act, h);
+    }
+    results[i] = tinyllm::linear(act, down[e], bias(down_bias), hidden);
   };
   // With at least two experts a thread, each thread runs whole experts, taken most rows first
   // as threads come free: one parallel region a step, where splitting each linear over the
@@ -205,19 +243,22 @@ float dot(const T* a, const T* b, int64_t len) {
   return lanes[0];
 }
 
-// The router: logits = x gate^T rounded to x's dtype (as an nn.Linear in that dtype gives
-// them), softmax over the experts in fp32, the top_k largest (ties: the lower expert id
-// first), renormalised to sum 1 when norm_topk_prob. Fills ids and weights, (tokens, top_k).
+// The router: logits = x gate^T (+ bias) rounded to x's dtype (as an nn.Linear in that dtype
+// gives them), softmax over the experts in fp32, the top_k largest (ties: the lower expert id
+// first), renormalised to sum 1 when norm_topk_prob; or, softmax_after_topk (gpt-oss), the
+// top_k largest logits and the softmax over those. Fills ids and weights, (tokens, top_k).
 template <typename T>
-void route(const T* x, const T* gate, int64_t n, int64_t hidden, int64_t num_experts,
-           int64_t top_k, bool norm_topk_prob, int64_t* ids, float* weights) {
+void route(const T* x, const T* gate, const T* bias, int64_t n, int64_t hidden,
+           int64_t num_experts, int64_t top_k, bool norm_topk_prob, bool softmax_after_topk,
+           int64_t* ids, float* weights) {
   std::vector<float> logits(n * num_experts);
   // Experts per task: about 64K multiply-adds, so one token's router is a few tasks.
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, n * hidden));
   at::parallel_for(0, num_experts, grain, [&](int64_t begin, int64_t end) {
     for (int64_t e = begin; e < end; ++e) {
       for (int64_t t = 0; t < n; ++t) {
-        const float logit = dot(x + t * hidden, gate + e * hidden, hidden);
+        float logit = dot(x + t * hidden, gate + e * hidden, hidden);
+        if (bias) logit += static_cast<float>(bias[e]);
         logits[t * num_experts + e] = static_cast<float>(static_cast<T>(logit));
       }
     }
@@ -227,9 +268,11 @@ void route(const T* x, const T* gate, int64_t n, int64_t hidden, int64_t num_exp
     for (int64_t t = begin; t < end; ++t) {
       float* p = logits.data() + t * num_experts;
       const float top = *std::max_element(p, p + num_experts);
-      float sum = 0.f;
-      for (int64_t e = 0; e < num_experts; ++e) sum += p[e] = std::exp(p[e] - top);
-      for (int64_t e = 0; e < num_experts; ++e) p[e] /= sum;
+      if (!softmax_after_topk) {
+        float sum = 0.f;
+        for (int64_t e = 0; e < num_experts; ++e) sum += p[e] = std::exp(p[e] - top);
+        for (int64_t e = 0; e < num_experts; ++e) p[e] /= sum;
+      }
       std::fill(taken.begin(), taken.end(), 0);
       float chosen = 0.f;
       for (int64_t j = 0; j < top_k; ++j) {
@@ -243,7 +286,13 @@ void route(const T* x, const T* gate, int64_t n, int64_t hidden, int64_t num_exp
         weights[t * top_k + j] = p[best];
         chosen += p[best];
       }
-      if (norm_topk_prob) {
+      if (softmax_after_topk) {  // the chosen logits' softmax: the first is their largest
+        float* w = weights + t * top_k;
+        const float first = w[0];
+        float sum = 0.f;
+        for (int64_t j = 0; j < top_k; ++j) sum += w[j] = std::exp(w[j] - first);
+        for (int64_t j = 0; j < top_k; ++j) w[j] /= sum;
+      } else if (norm_topk_prob) {
         for (int64_t j = 0; j < top_k; ++j) weights[t * top_k + j] /= chosen;
       }
     }
@@ -252,10 +301,15 @@ void route(const T* x, const T* gate, int64_t n, int64_t hidden, int64_t num_exp
 
 // residual += o, then the MoE block on RMSNorm(residual), returned before its residual add
 // (tensor parallelism sums it over ranks first). weights: post_attention_layernorm and the
-// router's gate (num_experts, hidden), dense in the residual's dtype.
+// router's gate (num_experts, hidden), dense in the residual's dtype; gpt-oss's router bias,
+// routing and experts' biases and activation as route and moe_experts take them.
 at::Tensor decoder_moe(const at::Tensor& o, const at::Tensor& residual, at::TensorList weights,
                        at::TensorList gate_up, at::TensorList down, int64_t top_k,
-                       bool norm_topk_prob, int64_t intermediate, double eps) {
+                       bool norm_topk_prob, int64_t intermediate, double eps,
+                       const std::optional<at::Tensor>& router_bias, bool softmax_after_topk,
+                       const std::optional<at::Tensor>& gate_up_bias,
+                       const std::optional<at::Tensor>& down_bias,
+                       std::optional<double> swiglu_limit, double swiglu_alpha) {
   const char* op = "decoder_moe";
   TORCH_CHECK(weights.size() == 2, op, ": 2 weights (post_attention_layernorm, gate), not ",
               weights.size());
@@ -275,16 +329,24 @@ at::Tensor decoder_moe(const at::Tensor& o, const at::Tensor& residual, at::Tens
               "]: a row for each of gate_up's experts, of residual's hidden size");
   TORCH_CHECK(top_k >= 1 && top_k <= num_experts, op, ": top_k ", top_k, " must be 1 to ",
               num_experts, ", the number of experts");
+  if (router_bias) {
+    tinyllm::check_array(op, "router_bias", *router_bias, dtype);
+    TORCH_CHECK(router_bias->numel() == num_experts, op, ": router_bias ", router_bias->sizes(),
+                " must be [", num_experts, "], one per expert");
+  }
 
   at::Tensor x = at::empty_like(residual);
   tinyllm::rms_norm(x, o, residual, post_norm, eps);  // residual += o, x = its norm
   at::Tensor ids = at::empty({n, top_k}, residual.options().dtype(at::kLong));
   at::Tensor topk_weights = at::empty({n, top_k}, residual.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dtype, "decoder_moe", [&] {
-    route(x.data_ptr<scalar_t>(), gate.data_ptr<scalar_t>(), n, hidden, num_experts, top_k,
-          norm_topk_prob, ids.data_ptr<int64_t>(), topk_weights.data_ptr<float>());
+    const scalar_t* bias = router_bias ? router_bias->data_ptr<scalar_t>() : nullptr;
+    route(x.data_ptr<scalar_t>(), gate.data_ptr<scalar_t>(), bias, n, hidden, num_experts, top_k,
+          norm_topk_prob, softmax_after_topk, ids.data_ptr<int64_t>(),
+          topk_weights.data_ptr<float>());
   });
-  return moe_experts(x, ids, topk_weights, gate_up, down, intermediate);
+  return moe_experts(x, ids, topk_weights, gate_up, down, intermediate, gate_up_bias, down_bias,
+                     swiglu_limit, swiglu_alpha);
 }
 
 }  // namespace
@@ -293,10 +355,13 @@ at::Tensor decoder_moe(const at::Tensor& o, const at::Tensor& residual, at::Tens
 TORCH_LIBRARY_FRAGMENT(tinyllm, m) {
   m.def(
       "moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor[] gate_up, "
-      "Tensor[] down, int intermediate) -> Tensor",
+      "Tensor[] down, int intermediate, Tensor? gate_up_bias=None, Tensor? down_bias=None, "
+      "float? swiglu_limit=None, float swiglu_alpha=1.702) -> Tensor",
       &moe_experts);
   m.def(
       "decoder_moe(Tensor o, Tensor(a!) residual, Tensor[] weights, Tensor[] gate_up, "
-      "Tensor[] down, int top_k, bool norm_topk_prob, int intermediate, float eps) -> Tensor",
+      "Tensor[] down, int top_k, bool norm_topk_prob, int intermediate, float eps, "
+      "Tensor? router_bias=None, bool softmax_after_topk=False, Tensor? gate_up_bias=None, "
+      "Tensor? down_bias=None, float? swiglu_limit=None, float swiglu_alpha=1.702) -> Tensor",
       &decoder_moe);
 }

@@ -30,7 +30,8 @@ class AttentionBackend:
     Hkv (grouped-query attention); caches (num_blocks + 1, block_size, Hkv, D). `window`: a
     layer's sliding window (ModelConfig.sliding_window), None for the whole context. `softcap`:
     each scaled score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2's
-    attn_logit_softcapping), None: as it is."""
+    attn_logit_softcapping), None: as it is. `sinks`: (Hq,) a logit per query head that joins
+    each softmax's denominator and contributes no value (gpt-oss's attention sinks), None: none."""
 
     name = "base"
     supports_sliding_window = True  # whether `attend` honours a window (get_backend checks)
@@ -46,9 +47,10 @@ class AttentionBackend:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         self.write(k, v, k_cache, v_cache, meta)
-        return self.attend(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+        return self.attend(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks)
 
     @staticmethod
     def write(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata):
@@ -68,6 +70,7 @@ class AttentionBackend:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """Attention output (N, Hq, D). The new tokens' K/V are already in the cache; `k` and
         `v` are passed too, for rows whose whole context is new (a first prefill chunk). With

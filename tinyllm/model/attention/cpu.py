@@ -57,13 +57,16 @@ class CPUBackend(AttentionBackend):
         scale: float,
         window=None,
         softcap=None,
+        sinks=None,
     ) -> Tensor:
         if not _native(q, k_cache, v_cache):
-            return self.reference.attend(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+            return self.reference.attend(
+                q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks
+            )
         out = q.new_empty(q.shape)
         tables, lens, starts = meta.block_tables, meta.seq_lens, meta.query_start_loc
         self.kernel(out, q, k_cache, v_cache, None, None, None, tables, lens, starts,
-                    meta.num_rows, scale, window, softcap)  # fmt: skip
+                    meta.num_rows, scale, window, softcap, sinks)  # fmt: skip
         return out
 
 

@@ -146,6 +146,7 @@ struct Step {
   float scale;
   int64_t window;  // keys a query sees, itself included; no sliding window: the most int64 holds
   float softcap;   // scores become softcap * tanh(score / softcap) (Gemma 2); 0: as they are
+  const float* sinks;  // a logit per query head in each softmax's denominator (gpt-oss), or null
 
   int64_t head_dim() const { return kD ? kD : D; }
   int64_t padded() const { return padded_dim(head_dim()); }
@@ -330,7 +331,10 @@ void attend_queries(const Step<kD, T>& c, int64_t row, int64_t tok, int64_t nq, 
   for (int64_t j = 0; j < nq; ++j) {
     T* out = c.out + ((c.starts[row] + tok + j) * c.Hq + g * G) * D;
     for (int64_t h = 0, x = j * G; h < G; ++h, ++x) {
-      for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<T>(acc[x * P + d] / w.l[x]);
+      // A sink adds e^(sink - max) to the softmax's sum and nothing to its output: the query's
+      // own running max, so its bits still depend on nothing but its own keys.
+      const float l = c.sinks ? w.l[x] + std::exp(c.sinks[g * G + h] - w.m[x]) : w.l[x];
+      for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<T>(acc[x * P + d] / l);
     }
   }
 }
@@ -362,13 +366,13 @@ template <int64_t kD, typename T>
 void attend_impl(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                  const at::Tensor& v_cache, const at::Tensor& block_tables,
                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_rows,
-                 double scale, int64_t window, double softcap) {
+                 double scale, int64_t window, double softcap, const float* sinks) {
   const int64_t Hkv = k_cache.size(2), G = q.size(1) / Hkv, D = q.size(2);
   const Step<kD, T> c{q.size(1), D, k_cache.size(1), Hkv, G, block_tables.size(1), q.stride(0),
                       q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
                       out.data_ptr<T>(), block_tables.data_ptr<int64_t>(),
                       seq_lens.data_ptr<int64_t>(), query_start_loc.data_ptr<int64_t>(),
-                      static_cast<float>(scale), window, static_cast<float>(softcap)};
+                      static_cast<float>(scale), window, static_cast<float>(softcap), sinks};
   // Tokens per item: kQueries, or fewer where the step's rows would give its threads too few
   // items to share evenly. A verified row of 7 tokens is one item per KV head, 3 for the
   // default model: at two threads one thread would do 2 and the other 1; in chunks of 4 it is
@@ -412,10 +416,10 @@ template <typename T>
 void attend_typed(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_rows,
-                  double scale, int64_t window, double softcap) {
+                  double scale, int64_t window, double softcap, const float* sinks) {
   auto run = [&](auto kD) {
     attend_impl<decltype(kD)::value, T>(out, q, k_cache, v_cache, block_tables, seq_lens,
-                                        query_start_loc, num_rows, scale, window, softcap);
+                                        query_start_loc, num_rows, scale, window, softcap, sinks);
   };
   switch (q.size(2)) {  // the common head dims get unrolled loops
     case 64: return run(std::integral_constant<int64_t, 64>{});
@@ -527,14 +531,16 @@ namespace tinyllm {
 // slot_mapping, the step's new K/V rows are written into the caches first; without, the caches
 // already hold every row's context, this step's new tokens included. q's rows may be strided.
 // With a sliding window, the query at position p attends to keys max(0, p - window + 1)..p.
-// With `softcap`, each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2's).
+// With `softcap`, each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2's). With
+// `sinks` (a logit per query head, gpt-oss's), each softmax's sum also counts e^sink.
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const std::optional<at::Tensor>& k,
                      const std::optional<at::Tensor>& v,
                      const std::optional<at::Tensor>& slot_mapping,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, int64_t num_rows, double scale,
-                     std::optional<int64_t> window, std::optional<double> softcap) {
+                     std::optional<int64_t> window, std::optional<double> softcap,
+                     const std::optional<at::Tensor>& sinks) {
   check_step(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_rows);
   TORCH_CHECK(k.has_value() == v.has_value() && k.has_value() == slot_mapping.has_value(),
               "paged_attention: k, v and slot_mapping come together");
@@ -542,15 +548,20 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
               " must be >= 1 (a query sees at least itself)");
   TORCH_CHECK(!softcap || *softcap > 0, "paged_attention: softcap ", softcap.value_or(0),
               " must be > 0");
+  TORCH_CHECK(!sinks || (sinks->dim() == 1 && sinks->size(0) == q.size(1)),
+              "paged_attention: sinks ", sinks ? sinks->sizes() : at::IntArrayRef{},
+              " must be [", q.size(1), "], one per query head");
+  const at::Tensor sink_logits = sinks ? sinks->to(at::kFloat).contiguous() : at::Tensor();
+  const float* sink = sinks ? sink_logits.data_ptr<float>() : nullptr;
   const int64_t keys = window.value_or(std::numeric_limits<int64_t>::max());
   const double cap = softcap.value_or(0);
   if (k) write_cache(k_cache, v_cache, *k, *v, *slot_mapping, q.size(0));
   if (q.scalar_type() == at::kFloat) {
     attend_typed<float>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                        num_rows, scale, keys, cap);
+                        num_rows, scale, keys, cap, sink);
   } else {
     attend_typed<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens,
-                                query_start_loc, num_rows, scale, keys, cap);
+                                query_start_loc, num_rows, scale, keys, cap, sink);
   }
 }
 
@@ -563,6 +574,6 @@ TORCH_LIBRARY(tinyllm, m) {
       "paged_attention(Tensor(a!) out, Tensor q, Tensor(b!) k_cache, Tensor(c!) v_cache, "
       "Tensor? k, Tensor? v, Tensor? slot_mapping, Tensor block_tables, Tensor seq_lens, "
       "Tensor query_start_loc, int num_rows, float scale, int? window=None, "
-      "float? softcap=None) -> ()",
+      "float? softcap=None, Tensor? sinks=None) -> ()",
       &tinyllm::paged_attention);
 }

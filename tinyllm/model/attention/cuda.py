@@ -62,11 +62,17 @@ class CudaBackend(AttentionBackend):
         scale: float,
         window=None,
         softcap=None,
+        sinks=None,
     ) -> Tensor:
         assert window is None  # get_backend does not pick this backend for a model with one
         if softcap is not None:  # Gemma 2, which also slides: get_backend picks the reference
             raise ValueError(
                 "the cuda attention backend has no attention-logit soft-capping (Gemma 2's); "
+                "use attention_backend='reference'"
+            )
+        if sinks is not None:  # gpt-oss, which also slides: get_backend picks the reference
+            raise ValueError(
+                "the cuda attention backend has no attention sinks (gpt-oss's); "
                 "use attention_backend='reference'"
             )
         # The kernel steps through head_dim with unit stride and shares one set of cache strides.

@@ -27,11 +27,13 @@ def attention(
     mask: Tensor | None,
     scale: float,
     softcap: float | None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """SDPA over (B, Hq, n, D) queries and (B, Hkv, S, D) keys and values, `mask` (None: causal);
-    with `softcap`, written out, as SDPA has no soft-capping: scores scaled, then softcap *
-    tanh(scores / softcap), masked, softmax in fp32 (transformers' eager order)."""
-    if softcap is None:
+    with `softcap` or `sinks`, written out, as SDPA has neither: scores scaled, then softcap *
+    tanh(scores / softcap), masked, each head's sink logit a last column of the softmax (in
+    fp32) that is dropped after it (transformers' eager order)."""
+    if softcap is None and sinks is None:
         is_causal = mask is None
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
@@ -39,12 +41,17 @@ def attention(
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = (q @ k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
         n, s = q.shape[2], k.shape[2]
         mask = torch.ones(n, s, dtype=torch.bool, device=q.device).tril(s - n)
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    sink = sinks.to(scores.dtype)[:, None, None].expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)
+    return probs[..., :-1].to(q.dtype) @ v
 
 
 class ReferenceBackend(AttentionBackend):
@@ -61,11 +68,12 @@ class ReferenceBackend(AttentionBackend):
         scale: float,
         window=None,
         softcap=None,
+        sinks=None,
     ) -> Tensor:
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap, sinks)
         bs = k_cache.shape[1]
         start = nd
         for r in range(nd, meta.num_rows):
@@ -85,7 +93,7 @@ class ReferenceBackend(AttentionBackend):
                 keys = torch.arange(L, device=q.device)[None, :]
                 mask = (keys <= rows) & (keys > rows - (window or L))
             o = attention(
-                qr, kr.transpose(0, 1)[None], vr.transpose(0, 1)[None], mask, scale, softcap
+                qr, kr.transpose(0, 1)[None], vr.transpose(0, 1)[None], mask, scale, softcap, sinks
             )
             out[start : start + n] = o[0].transpose(0, 1)
             start += n
@@ -100,6 +108,7 @@ class ReferenceBackend(AttentionBackend):
         scale: float,
         window: int | None,
         softcap: float | None,
+        sinks: Tensor | None,
     ) -> Tensor:
         """All one-token rows at once: gather, mask each row past its length (and before its
         window), one SDPA. The slots past a row's length (its last block's tail, the scratch
@@ -117,5 +126,6 @@ class ReferenceBackend(AttentionBackend):
         keys = gather_blocks(k_cache, table).masked_fill_(hidden, 0).transpose(1, 2)
         values = gather_blocks(v_cache, table).masked_fill_(hidden, 0).transpose(1, 2)
         # q (nd, Hq, 1, D), keys and values (nd, H, S, D)
-        o = attention(q[:, :, None], keys, values, visible[:, None, None, :], scale, softcap)
+        mask = visible[:, None, None, :]
+        o = attention(q[:, :, None], keys, values, mask, scale, softcap, sinks)
         return o[:, :, 0]
