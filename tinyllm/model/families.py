@@ -3,6 +3,7 @@ its line here (and its name to model/config.py's SUPPORTED_ARCHITECTURES)."""
 
 from torch import nn
 
+from tinyllm.model.bert import BertEncoder
 from tinyllm.model.config import ModelConfig
 from tinyllm.model.gemma import Gemma
 from tinyllm.model.llama import Transformer
@@ -19,9 +20,14 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen3_moe": Transformer,
     "mixtral": Transformer,
     "olmoe": Transformer,
+    # Encoders (embeddings, cross-encoders): bidirectional, no K/V, no generation.
+    "bert": BertEncoder,
+    "xlm-roberta": BertEncoder,
 }
+# What load_model gives: a decoder, or an encoder (ModelConfig.is_causal False).
+Model = Transformer | BertEncoder
 
 
-def build_model(config: ModelConfig) -> Transformer:
+def build_model(config: ModelConfig) -> Model:
     """The model for `config`'s architecture, its weights not yet loaded."""
     return MODEL_CLASSES[config.architecture](config)
