@@ -1,5 +1,5 @@
-"""Tiny random encoder checkpoints (BERT, XLM-RoBERTa, their cross-encoders) written as
-sentence-transformers directories, and a forward pass of whole prompts through a loaded
+"""Tiny random encoder checkpoints (BERT, XLM-RoBERTa, their cross-encoders, NomicBert) written
+as sentence-transformers directories, and a forward pass of whole prompts through a loaded
 encoder, as the model runner lays out one step."""
 
 from pathlib import Path
@@ -11,6 +11,8 @@ from transformers import (
     BertConfig,
     BertForSequenceClassification,
     BertModel,
+    NomicBertConfig,
+    NomicBertModel,
     PreTrainedTokenizerFast,
     XLMRobertaConfig,
     XLMRobertaForSequenceClassification,
@@ -31,27 +33,28 @@ SPECIALS = {
     "bert": (["[PAD]", "[UNK]", "[CLS]", "[SEP]"], "[CLS] $A [SEP]", "[CLS] $A [SEP] $B:1 [SEP]:1"),
     "xlm-roberta": (["<s>", "<pad>", "</s>", "<unk>"], "<s> $A </s>", "<s> $A </s> </s> $B </s>"),
 }
+SPECIALS["nomic_bert"] = SPECIALS["bert"]  # nomic-embed-text's tokenizer is BERT's
 CLASSES = {
     ("bert", False): (BertConfig, BertModel),
     ("bert", True): (BertConfig, BertForSequenceClassification),
     ("xlm-roberta", False): (XLMRobertaConfig, XLMRobertaModel),
     ("xlm-roberta", True): (XLMRobertaConfig, XLMRobertaForSequenceClassification),
+    ("nomic_bert", False): (NomicBertConfig, NomicBertModel),
 }
 
 
 def _tokenizer(family: str) -> PreTrainedTokenizerFast:
     specials, single, pair = SPECIALS[family]
     vocab = {t: i for i, t in enumerate(specials)} | {f"w{i}": i for i in range(4, VOCAB)}
-    pad, unk, cls, sep = (
-        specials if family == "bert" else (specials[1], specials[3], specials[0], specials[2])
-    )
+    xlmr = family == "xlm-roberta"
+    pad, unk, cls, sep = (specials[1], specials[3], specials[0], specials[2]) if xlmr else specials
     tok = Tokenizer(models.WordLevel(vocab, unk_token=unk))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.post_processor = processors.TemplateProcessing(
         single=single, pair=pair, special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])]
     )
     # BERT's tokenizers give token types (a pair's second text 1); XLM-R's do not.
-    types = ["token_type_ids"] if family == "bert" else []
+    types = [] if xlmr else ["token_type_ids"]
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=pad,
@@ -65,10 +68,10 @@ def _tokenizer(family: str) -> PreTrainedTokenizerFast:
 def write_encoder(
     path: Path, family: str, pooling: str | None = "mean", normalize: bool = True, labels: int = 0
 ) -> torch.nn.Module:
-    """A random `family` ("bert" or "xlm-roberta") model at `path` with its tokenizer, in
-    sentence-transformers' layout: a Transformer module, and with `pooling` a Pooling module
-    (and a Normalize one with `normalize`); with `labels`, a cross-encoder with that many
-    outputs. Returns the transformers model, in eval mode."""
+    """A random `family` ("bert", "xlm-roberta" or "nomic_bert") model at `path` with its
+    tokenizer, in sentence-transformers' layout: a Transformer module, and with `pooling` a
+    Pooling module (and a Normalize one with `normalize`); with `labels`, a cross-encoder with
+    that many outputs. Returns the transformers model, in eval mode."""
     # Imported here: sentence-transformers imports slowly, and only the writers need it.
     from sentence_transformers import CrossEncoder, SentenceTransformer
     from sentence_transformers.sentence_transformer import modules as st_modules
@@ -82,7 +85,7 @@ def write_encoder(
     model = model_class(config_class(**SIZES, **own, **extra)).eval()
     with torch.no_grad():  # LayerNorms off their initial 1 and 0, to tell them apart
         for name, p in model.named_parameters():
-            if "LayerNorm" in name:
+            if "layernorm" in name.lower():
                 p.copy_(torch.randn_like(p) * 0.2 + (1 if name.endswith("weight") else 0))
     source = path.with_name(path.name + "-hf")
     model.save_pretrained(source)

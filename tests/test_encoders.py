@@ -1,4 +1,5 @@
-"""The encoder families (model/bert.py: BERT, XLM-RoBERTa and their cross-encoders) loaded from
+"""The encoder families (model/bert.py: BERT, XLM-RoBERTa and their cross-encoders;
+model/nomic_bert.py: NomicBert) loaded from
 sentence-transformers directories (loaders/hf_encoders.py, loaders/pooling_config.py), against
 sentence-transformers' SentenceTransformer and CrossEncoder and transformers on the same tiny
 random checkpoints: token states, pooled embeddings, classifier scores, a flat batch of prompts
@@ -10,9 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from sentence_transformers import CrossEncoder, SentenceTransformer
+from transformers import NomicBertConfig
 
 from tests.encoder_runs import hidden_states, write_encoder
 from tests.model_runs import load
+from tests.test_gguf_loader import write_gguf
+from tinyllm.loaders.gguf import gguf_config, open_gguf
 from tinyllm.loaders.hf import hf_config
 from tinyllm.model.attention import get_backend
 from tinyllm.model.config import UnsupportedModelError
@@ -36,7 +40,11 @@ def _pool(h: torch.Tensor, mode: str) -> torch.Tensor:
     return h[0] if mode == "cls" else h.mean(0)
 
 
-@pytest.fixture(scope="module", params=[("bert", "mean"), ("xlm-roberta", "cls")], ids=str)
+@pytest.fixture(
+    scope="module",
+    params=[("bert", "mean"), ("xlm-roberta", "cls"), ("nomic_bert", "mean")],
+    ids=str,
+)
 def embedder(request, tmp_path_factory):
     family, pooling = request.param
     path = tmp_path_factory.mktemp(family) / "st"
@@ -180,3 +188,46 @@ def test_pooling_config_refuses_what_tinyllm_does_not_compute(tmp_path):
     dense = [*MODULES, {"idx": 3, "path": "3_Dense", "type": "sentence_transformers.models.Dense"}]
     with pytest.raises(UnsupportedModelError, match="Dense"):
         hf_config(_qwen3_dir(tmp_path / "b", dense, {"pooling_mode": "mean"}))
+
+
+def _nomic_dir(path, **cfg):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "nomic_bert", **cfg}))
+    return path
+
+
+# nomic-embed-text's own config.json keys (its remote code's), at tiny sizes.
+NOMIC_OWN = dict(
+    architectures=["NomicBertModel"], vocab_size=100, n_embd=64, n_head=4, n_layer=2, n_inner=128,
+    n_positions=64, layer_norm_epsilon=1e-12, activation_function="swiglu", rotary_emb_base=1000,
+    rotary_emb_fraction=1.0, rotary_emb_interleaved=False, rotary_scaling_factor=None,
+    qkv_proj_bias=False, mlp_fc1_bias=False, mlp_fc2_bias=False, prenorm=False, causal=False,
+    type_vocab_size=2,
+)  # fmt: skip
+
+
+def test_nomic_own_config_keys_read_as_transformers_keys(tmp_path):
+    """A NomicBert config in nomic's own keys gives the config transformers' keys give; the
+    options nomic's models leave off are refused by name."""
+    theirs = NomicBertConfig(
+        vocab_size=100, hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+        intermediate_size=128, max_position_embeddings=64,
+    )  # fmt: skip
+    theirs.save_pretrained(tmp_path / "transformers")
+    own = hf_config(_nomic_dir(tmp_path / "own", **NOMIC_OWN))
+    assert own == hf_config(tmp_path / "transformers")
+    assert (own.hidden_size, own.num_layers, own.rope_theta, own.hidden_act) == (
+        64,
+        2,
+        1000,
+        "silu",
+    )
+    with pytest.raises(UnsupportedModelError, match="rotary_scaling_factor"):
+        hf_config(_nomic_dir(tmp_path / "scaled", **{**NOMIC_OWN, "rotary_scaling_factor": 2.0}))
+
+
+@pytest.mark.parametrize("arch", ["bert", "nomic-bert"])
+def test_encoder_gguf_refused_by_name(arch, tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", {}, arch)
+    with pytest.raises(UnsupportedModelError, match=f"'{arch}' \\(an encoder\\) is not supported"):
+        gguf_config(open_gguf(path))

@@ -1,6 +1,6 @@
-"""Hugging Face BERT and XLM-RoBERTa checkpoints (BertModel, XLMRobertaModel and their
-*ForSequenceClassification cross-encoders): config.json -> ModelConfig, and the checkpoint's
-tensor names -> model/bert.py's."""
+"""Hugging Face encoder checkpoints: BERT and XLM-RoBERTa (BertModel, XLMRobertaModel and their
+*ForSequenceClassification cross-encoders) and NomicBert (NomicBertModel): config.json ->
+ModelConfig, and the checkpoint's tensor names -> model/bert.py's and model/nomic_bert.py's."""
 
 import json
 from pathlib import Path
@@ -14,21 +14,40 @@ ENCODER_CLASSES = {
     "BertForSequenceClassification": "bert",
     "XLMRobertaModel": "xlm-roberta",
     "XLMRobertaForSequenceClassification": "xlm-roberta",
+    "NomicBertModel": "nomic_bert",
 }
-# transformers' hidden_act names -> ModelConfig's ("gelu_new" is the tanh approximation).
-_ACTS = {"gelu": "gelu", "gelu_new": "gelu_pytorch_tanh", "gelu_pytorch_tanh": "gelu_pytorch_tanh"}
+# transformers' hidden_act names -> ModelConfig's ("gelu_new" is the tanh approximation);
+# nomic's own configs say "swiglu" for a SiLU-gated MLP.
+_ACTS = {
+    "gelu": "gelu", "gelu_new": "gelu_pytorch_tanh", "gelu_pytorch_tanh": "gelu_pytorch_tanh",
+    "silu": "silu", "swish": "silu", "swiglu": "silu",
+}  # fmt: skip
+# nomic's own config.json keys (its remote code's) for the transformers names NomicBertConfig
+# uses; a config has one or the other.
+_NOMIC_KEYS = {
+    "hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer",
+    "intermediate_size": "n_inner", "max_position_embeddings": "n_positions",
+    "layer_norm_eps": "layer_norm_epsilon", "hidden_act": "activation_function",
+}  # fmt: skip
+# Options of nomic's remote code that its NomicBert models leave off, and that tinyllm's lacks.
+_NOMIC_UNSUPPORTED = (
+    "qkv_proj_bias", "mlp_fc1_bias", "mlp_fc2_bias", "prenorm", "rotary_emb_interleaved",
+    "rotary_scaling_factor", "use_rms_norm", "causal",
+)  # fmt: skip
 # A classifier checkpoint's encoder, under these prefixes; BERT's pooler and classifier under
 # the head's names model/bert.ClassifierHead shares with XLM-R's.
-_BACKBONE_PREFIXES = ("bert.", "roberta.")
+_BACKBONE_PREFIXES = ("bert.", "roberta.", "nomic_bert.")
 _BERT_HEAD = {"pooler.dense.": "classifier.dense.", "classifier.": "classifier.out_proj."}
 # Buffers BERT checkpoints may carry; the model gets positions and types from each step.
 _BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")
 
 
 def encoder_config(cfg: dict, arch: str, model_dir: Path) -> ModelConfig:
-    """A BERT or XLM-R config.json (`cfg`, architecture `arch`) as ModelConfig; a cross-encoder's
+    """An encoder's config.json (`cfg`, architecture `arch`) as ModelConfig; a cross-encoder's
     classifier outputs in num_labels, and for a BERT pair its [SEP] token (`model_dir`'s
     tokenizer) as segment_token_id."""
+    if arch == "nomic_bert":
+        return _nomic_config(cfg)
     kind = cfg.get("position_embedding_type", "absolute")
     if kind != "absolute":
         raise UnsupportedModelError(f"{arch} with position_embedding_type {kind!r}: absolute only")
@@ -62,6 +81,42 @@ def encoder_config(cfg: dict, arch: str, model_dir: Path) -> ModelConfig:
         type_vocab_size=types,
         position_offset=offset,
         segment_token_id=_sep_token(model_dir) if pair_types else None,
+    )
+
+
+def _nomic_config(cfg: dict) -> ModelConfig:
+    """NomicBert's config.json, in nomic's own keys or transformers' (NomicBertConfig's)."""
+    cfg = cfg | {new: cfg[old] for new, old in _NOMIC_KEYS.items() if old in cfg}
+    if any(n.endswith("ForSequenceClassification") for n in cfg.get("architectures", [])):
+        raise UnsupportedModelError("NomicBert cross-encoders are not supported")
+    unsupported = [key for key in _NOMIC_UNSUPPORTED if cfg.get(key)]
+    fraction = cfg.get("rotary_emb_fraction", 1.0)
+    if unsupported or fraction != 1.0:
+        found = [*unsupported, *(["rotary_emb_fraction"] if fraction != 1.0 else [])]
+        raise UnsupportedModelError(f"NomicBert with {', '.join(found)} is not supported")
+    act = cfg.get("hidden_act", "silu")
+    if _ACTS.get(act) != "silu":
+        raise UnsupportedModelError(f"NomicBert with activation {act!r}; needs swiglu (silu)")
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise UnsupportedModelError(f"NomicBert with rope_type {rope['rope_type']!r}: default only")
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    return ModelConfig(
+        architecture="nomic_bert",
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=cfg.get("head_dim") or hidden // heads,
+        max_position_embeddings=cfg["max_position_embeddings"],
+        rope_theta=float(rope.get("rope_theta", cfg.get("rotary_emb_base", 1000.0))),
+        hidden_act="silu",
+        is_causal=False,
+        pooling="cls",
+        layer_norm_eps=cfg.get("layer_norm_eps", 1e-12),
+        type_vocab_size=cfg.get("type_vocab_size", 2),
     )
 
 

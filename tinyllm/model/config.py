@@ -8,10 +8,10 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral",
-    "olmoe", "bert", "xlm-roberta",
+    "olmoe", "bert", "xlm-roberta", "nomic_bert",
 )  # fmt: skip
-# The encoders among them (model/bert.py): bidirectional, pooled, never generating.
-ENCODER_ARCHITECTURES = ("bert", "xlm-roberta")
+# The encoders among them (model/encoder.py): bidirectional, pooled, never generating.
+ENCODER_ARCHITECTURES = ("bert", "xlm-roberta", "nomic_bert")
 
 # Families close to the supported ones that tinyllm refuses, and why: what their layers do that
 # the model files (model/llama.py, model/gemma.py) and the attention backends do not. Keyed by
@@ -94,9 +94,9 @@ class ModelConfig:
     pooling: str | None = None  # "cls", "mean" or "last"; None: a generation model
     normalize: bool = False  # embeddings L2-normalized (sentence-transformers' Normalize module)
     num_labels: int = 0  # a cross-encoder's classifier outputs: the model's classify(pooled)
-    # Encoders (model/bert.py: BERT, XLM-RoBERTa): learned absolute positions, token type
-    # embeddings and a LayerNorm after each sublayer; hidden_act is their plain MLP's ("gelu"
-    # or "gelu_pytorch_tanh"), num_kv_heads equals num_heads.
+    # Encoders (model/bert.py: BERT, XLM-RoBERTa; model/nomic_bert.py, rotary): token type
+    # embeddings and a LayerNorm after each sublayer; hidden_act is their MLP's activation
+    # (NomicBert's gate's); num_kv_heads equals num_heads.
     layer_norm_eps: float = 1e-12
     type_vocab_size: int = 1  # rows of the token type table (BERT's checkpoints have 2)
     position_offset: int = 0  # XLM-R: the token at position p reads row p + padding_idx + 1
@@ -133,7 +133,7 @@ class ModelConfig:
                 f"num_experts_per_tok {self.num_experts_per_tok} must be in 1..num_experts "
                 f"({self.num_experts})"
             )
-        acts = ("silu", "gelu_pytorch_tanh") if self.is_causal else ("gelu", "gelu_pytorch_tanh")
+        acts = ("silu", "gelu_pytorch_tanh") + (() if self.is_causal else ("gelu",))
         if self.hidden_act not in acts:
             raise UnsupportedModelError(
                 f"unsupported hidden_act {self.hidden_act!r}; needs {' or '.join(acts)}"

@@ -5,8 +5,10 @@ from torch import nn
 
 from tinyllm.model.bert import BertEncoder
 from tinyllm.model.config import ModelConfig
+from tinyllm.model.encoder import Encoder
 from tinyllm.model.gemma import Gemma
 from tinyllm.model.llama import Transformer
+from tinyllm.model.nomic_bert import NomicBert
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": Transformer,
@@ -23,9 +25,10 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     # Encoders (embeddings, cross-encoders): bidirectional, no K/V, no generation.
     "bert": BertEncoder,
     "xlm-roberta": BertEncoder,
+    "nomic_bert": NomicBert,
 }
 # What load_model gives: a decoder, or an encoder (ModelConfig.is_causal False).
-Model = Transformer | BertEncoder
+Model = Transformer | Encoder
 
 
 def build_model(config: ModelConfig) -> Model:
