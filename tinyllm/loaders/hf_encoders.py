@@ -56,7 +56,6 @@ def encoder_config(cfg: dict, arch: str, model_dir: Path) -> ModelConfig:
         raise UnsupportedModelError(f"{arch} with hidden_act {act!r}; needs one of {list(_ACTS)}")
     classifier = any(n.endswith("ForSequenceClassification") for n in cfg.get("architectures", []))
     num_labels = len(cfg.get("id2label") or {0: 0, 1: 1}) if classifier else 0  # HF's default 2
-    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     # XLM-R numbers positions from padding_idx + 1 (transformers'
     # create_position_ids_from_input_ids): its table's first rows are never read.
     offset = cfg.get("pad_token_id", 1) + 1 if arch == "xlm-roberta" else 0
@@ -64,21 +63,10 @@ def encoder_config(cfg: dict, arch: str, model_dir: Path) -> ModelConfig:
     # BERT's tokenizers type a pair's second text 1; XLM-R's give no types (all 0).
     pair_types = arch == "bert" and num_labels > 0 and types > 1
     return ModelConfig(
-        architecture=arch,
-        vocab_size=cfg["vocab_size"],
-        hidden_size=hidden,
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=hidden // heads,
+        **_shape(cfg, arch),
         max_position_embeddings=cfg["max_position_embeddings"] - offset,
         hidden_act=_ACTS[act],
-        is_causal=False,
-        pooling="cls",  # transformers' heads' and vLLM's default; modules.json may say otherwise
         num_labels=num_labels,
-        layer_norm_eps=cfg.get("layer_norm_eps", 1e-12),
-        type_vocab_size=types,
         position_offset=offset,
         segment_token_id=_sep_token(model_dir) if pair_types else None,
     )
@@ -100,9 +88,19 @@ def _nomic_config(cfg: dict) -> ModelConfig:
     rope = cfg.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
         raise UnsupportedModelError(f"NomicBert with rope_type {rope['rope_type']!r}: default only")
-    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     return ModelConfig(
-        architecture="nomic_bert",
+        **_shape(cfg, "nomic_bert"),
+        max_position_embeddings=cfg["max_position_embeddings"],
+        rope_theta=float(rope.get("rope_theta", cfg.get("rotary_emb_base", 1000.0))),
+        hidden_act="silu",
+    )
+
+
+def _shape(cfg: dict, arch: str) -> dict:
+    """The ModelConfig fields every encoder's config.json gives alike (transformers' keys)."""
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    return dict(
+        architecture=arch,
         vocab_size=cfg["vocab_size"],
         hidden_size=hidden,
         intermediate_size=cfg["intermediate_size"],
@@ -110,11 +108,8 @@ def _nomic_config(cfg: dict) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=heads,
         head_dim=cfg.get("head_dim") or hidden // heads,
-        max_position_embeddings=cfg["max_position_embeddings"],
-        rope_theta=float(rope.get("rope_theta", cfg.get("rotary_emb_base", 1000.0))),
-        hidden_act="silu",
         is_causal=False,
-        pooling="cls",
+        pooling="cls",  # transformers' heads' and vLLM's default; modules.json may say otherwise
         layer_norm_eps=cfg.get("layer_norm_eps", 1e-12),
         type_vocab_size=cfg.get("type_vocab_size", 2),
     )

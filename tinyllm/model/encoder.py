@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from tinyllm.model.attention import ForwardContext
 from tinyllm.model.config import ModelConfig
+from tinyllm.model.layers import assign_weights
 
 # ModelConfig.hidden_act -> the function (transformers' ACT2FN of the same names).
 ACTIVATIONS = {
@@ -71,15 +72,7 @@ class Encoder(nn.Module):
     def load_weights(self, state_dict: dict[str, Tensor], context: int | None = None) -> None:
         """Load the weights under the model's names; a missing or unexpected tensor is an
         error. `context`: the longest sequence it will serve (a rotary family's tables)."""
-        own = {k for k, _ in self.named_parameters()}
-        missing, unexpected = own - state_dict.keys(), state_dict.keys() - own
-        if missing or unexpected:
-            raise ValueError(
-                f"weights do not match the {self.config.architecture} model: "
-                f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
-            )
-        self.load_state_dict(state_dict, strict=False, assign=True)
-        self.requires_grad_(False)
+        assign_weights(self, state_dict)
 
     def set_layer_executor(self, executor: str) -> None:
         """An encoder's layers run as their modules: the fused C++ ops are a decoder's layer
