@@ -13,11 +13,13 @@ import torch.nn.functional as F
 from sentence_transformers import CrossEncoder, SentenceTransformer
 from transformers import NomicBertConfig
 
-from tests.encoder_runs import hidden_states, write_encoder
+from tests.encoder_runs import CLASSES, SIZES, hidden_states, write_encoder
 from tests.model_runs import load
 from tests.test_gguf_loader import write_gguf
+from tinyllm.loaders.dummy import parameter_count
 from tinyllm.loaders.gguf import gguf_config, open_gguf
 from tinyllm.loaders.hf import hf_config
+from tinyllm.loaders.model_loader import LoadConfig, load_model
 from tinyllm.model.attention import get_backend
 from tinyllm.model.config import UnsupportedModelError
 from tinyllm.model.cpu_library import library_error
@@ -231,3 +233,21 @@ def test_encoder_gguf_refused_by_name(arch, tmp_path):
     path = write_gguf(tmp_path / "m.gguf", {}, arch)
     with pytest.raises(UnsupportedModelError, match=f"'{arch}' \\(an encoder\\) is not supported"):
         gguf_config(open_gguf(path))
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+@pytest.mark.parametrize("family", ["bert", "nomic_bert"])
+def test_dummy_weights_build_an_encoder_from_its_config(family, quantization, tmp_path):
+    """load_format "dummy" on an encoder's config.json (real shapes without downloads): as many
+    parameters as transformers' model of that config, and a forward pass of finite states."""
+    if quantization != "none" and library_error() is not None:
+        pytest.skip(f"no CPU kernels: {library_error()}")
+    config_class, model_class = CLASSES[family, False]
+    config = config_class(**{**SIZES, "initializer_range": 0.02})
+    config.save_pretrained(tmp_path)
+    reference = model_class(config, add_pooling_layer=False)
+    assert parameter_count(hf_config(tmp_path)) == sum(p.numel() for p in reference.parameters())
+    load_config = LoadConfig(model=str(tmp_path), load_format="dummy", quantization=quantization)
+    model = load_model(load_config, torch.device("cpu")).model
+    (h,) = hidden_states(model, [[2, 5, 6, 7, 3]])
+    assert h.isfinite().all() and h.std(0).min() > 0  # tokens differ
