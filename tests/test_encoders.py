@@ -68,7 +68,10 @@ def test_token_states_and_embeddings_match_references(embedder):
     path, hf, pooling = embedder
     st = SentenceTransformer(str(path), device="cpu")
     prompts = _ids(st.tokenizer, TEXTS)
-    ours = hidden_states(load(path), prompts)
+    loaded = load_model(LoadConfig(model=str(path), dtype="float32"), torch.device("cpu"))
+    # The loaded tokenizer's ids are sentence-transformers' ([CLS] ... [SEP], <s> ... </s>).
+    assert [loaded.tokenizer.encode(t) for t in TEXTS] == prompts
+    ours = hidden_states(loaded.model, prompts)
     for prompt, h in zip(prompts, ours, strict=True):
         with torch.no_grad():
             want = hf(torch.tensor([prompt])).last_hidden_state[0]
