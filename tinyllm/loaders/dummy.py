@@ -18,13 +18,14 @@ from pathlib import Path
 import tokenizers
 import torch
 from tokenizers.models import WordLevel
-from torch import Tensor
+from torch import Tensor, nn
 
 from tinyllm.host.memory import available_bytes
 from tinyllm.loaders.hf import hf_config
 from tinyllm.loaders.source import Checkpoint
 from tinyllm.loaders.stored import InMemory
 from tinyllm.model.config import ModelConfig, ModelLoadError
+from tinyllm.model.families import build_model
 from tinyllm.model.quant import GROUP, GroupQuantized
 from tinyllm.text.tokenizer import Tokenizer
 
@@ -119,8 +120,16 @@ def _vector_shapes(c: ModelConfig, layer: int) -> dict[str, int]:
     return {name: n for name, n in shapes.items() if n}
 
 
+def _meta_model(c: ModelConfig) -> nn.Module:
+    """The model's modules with shapes and no memory (the meta device)."""
+    with torch.device("meta"):
+        return build_model(c)
+
+
 def parameter_count(c: ModelConfig) -> int:
     """The model's parameters as its checkpoint counts them (a tied head once), from shapes."""
+    if not c.is_causal:  # an encoder: its modules' shapes
+        return sum(p.numel() for p in _meta_model(c).parameters())
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     total = 0
     for i in range(c.num_layers):
@@ -207,6 +216,8 @@ def dummy_weights(
     _check_memory(c, quantization, dtype)
     rand = _Random(dtype, seed)
     layer_bits = {"int4": 4, "int8": 8}.get(quantization)
+    if not c.is_causal:
+        return _encoder_weights(c, rand, layer_bits)
 
     def linear(n: int, k: int, bits: int | None) -> Tensor | GroupQuantized:
         return rand.dense(n, k) if bits is None else rand.blocks(n, k, bits)
@@ -236,6 +247,27 @@ def dummy_weights(
             q, kv = (c.num_heads, c.num_kv_heads) if c.qk_norm_all_heads else (1, 1)
             weights[f"{p}self_attn.q_norm.weight"] = ones(q * c.head_dim)
             weights[f"{p}self_attn.k_norm.weight"] = ones(kv * c.head_dim)
+    return weights
+
+
+def _encoder_weights(
+    c: ModelConfig, rand: _Random, bits: int | None
+) -> dict[str, Tensor | GroupQuantized]:
+    """An encoder's random state dict (model/encoder.py), by its parameters' names and shapes:
+    linear weights as blocks of `bits` (dense without), LayerNorms 1, biases 0, embeddings
+    dense."""
+    model = _meta_model(c)
+    linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    weights: dict[str, Tensor | GroupQuantized] = {}
+    for name, p in model.named_parameters():
+        if name in linears:
+            n, k = p.shape
+            weights[name] = rand.dense(n, k) if bits is None else rand.blocks(n, k, bits)
+        elif p.dim() == 2:  # an embedding table
+            weights[name] = rand.dense(*p.shape)
+        else:
+            fill = 0.0 if name.endswith(".bias") else 1.0
+            weights[name] = torch.full(p.shape, fill, dtype=rand.dtype)
     return weights
 
 

@@ -25,6 +25,8 @@ from tinyllm.model.quant import GroupQuantized
 GGUF_ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3moe", "olmoe", "gpt-oss",
 )  # fmt: skip
+# llama.cpp's encoder architectures, whose families tinyllm runs from safetensors only.
+ENCODER_GGUF_ARCHITECTURES = ("bert", "nomic-bert")
 # Gemma's sliding layers, as llama.cpp has them: all but every n-th (Gemma 2: every other,
 # Gemma 3: 5 of 6), unless the file gives {arch}.attention.sliding_window_pattern.
 GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
@@ -241,6 +243,11 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str, head_dim: int, theta: floa
 def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
     """Build a ModelConfig from GGUF metadata and the presence of optional tensors."""
     arch = _required(reader, "general.architecture")
+    if arch in ENCODER_GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{_where(reader)}: GGUF architecture {arch!r} (an encoder) is not supported yet; "
+            "load the model's Hugging Face directory (safetensors)"
+        )
     if arch not in GGUF_ARCHITECTURES:
         error = unsupported_architecture(f"GGUF architecture {arch!r}", arch)
         raise UnsupportedModelError(f"{_where(reader)}: {error}")

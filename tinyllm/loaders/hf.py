@@ -9,9 +9,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
+from tinyllm.loaders.hf_encoders import ENCODER_CLASSES, encoder_config, encoder_tensor_name
 from tinyllm.loaders.hf_experts import ROUTER, STACKED_EXPERTS, stacked_expert_tensors
+from tinyllm.loaders.pooling_config import apply_pooling_config
 from tinyllm.loaders.stored import ALL, StoredTensor, covers
 from tinyllm.model.config import (
+    ENCODER_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
     ModelLoadError,
@@ -33,7 +36,7 @@ _ARCH_BY_CLASS = {
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
     "GptOssForCausalLM": "gpt_oss",
-}
+} | ENCODER_CLASSES
 # Hugging Face model_types that are a supported architecture under another name.
 _MODEL_TYPE_ALIASES = {"gemma3_text": "gemma3"}
 _GEMMA = ("gemma2", "gemma3")
@@ -258,11 +261,26 @@ def _gpt_oss_fields(cfg: dict, config: ModelConfig) -> None:
 
 def hf_config(model_dir: str | Path) -> ModelConfig:
     """Read `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3, Qwen3-MoE,
-    Mixtral, OLMoE or gpt-oss checkpoint (`model_dir` is its directory, or the file itself)."""
+    Mixtral, OLMoE, gpt-oss, BERT or XLM-RoBERTa checkpoint (`model_dir` is its directory, or
+    the file itself), with the pooling its sentence-transformers files give."""
     path = Path(model_dir)
     path = path if path.is_file() else path / "config.json"
     cfg = _read_json(path)
     arch = _architecture(cfg)
+    try:
+        config = (
+            encoder_config(cfg, arch, path.parent)
+            if arch in ENCODER_ARCHITECTURES
+            else _decoder_config(cfg, arch)
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"{path} lacks {e.args[0]!r}") from None
+    apply_pooling_config(path.parent, config)
+    return config
+
+
+def _decoder_config(cfg: dict, arch: str) -> ModelConfig:
+    """The decoders' config.json (hf_config's): their fields as transformers reads them."""
     gemma = arch in _GEMMA
     if gemma:
         cfg = _gemma_config(cfg, arch)
@@ -270,44 +288,41 @@ def hf_config(model_dir: str | Path) -> ModelConfig:
         cfg = _GPT_OSS_DEFAULTS | {k: v for k, v in cfg.items() if v is not None}
     elif cfg.get("hidden_act", "silu") not in ("silu", "swish"):
         raise UnsupportedModelError(f"unsupported hidden_act {cfg['hidden_act']!r}; needs silu")
-    try:
-        if arch == "gemma3":
-            (theta, scaling, local_theta), partial = _gemma_rope(cfg), 1.0
-        else:
-            (theta, scaling, partial), local_theta = _rope(cfg, arch), None
-        heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        config = ModelConfig(
-            architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=head_dim,
-            max_position_embeddings=cfg["max_position_embeddings"],
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            # Qwen2 always has q/k/v biases and its config does not say so.
-            attention_bias=arch == "qwen2" or cfg.get("attention_bias", False),
-            qk_norm=arch in ("qwen3", "gemma3", "qwen3_moe", "olmoe"),
-            qk_norm_all_heads=arch == "olmoe",
-            **_experts(cfg, arch),
-            # Phi-4-mini rotates 3/4 of each head; transformers rounds the count down.
-            rotary_dim=int(head_dim * partial) if partial != 1 else None,
-            rope_local_theta=local_theta,
-        )
-        if gemma:
-            _gemma_fields(cfg, config)
-        elif arch == "gpt_oss":
-            _gpt_oss_fields(cfg, config)
-        else:
-            _sliding_window(cfg, config)
-    except KeyError as e:
-        raise ModelLoadError(f"{path} lacks {e.args[0]!r}") from None
+    if arch == "gemma3":
+        (theta, scaling, local_theta), partial = _gemma_rope(cfg), 1.0
+    else:
+        (theta, scaling, partial), local_theta = _rope(cfg, arch), None
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    config = ModelConfig(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        max_position_embeddings=cfg["max_position_embeddings"],
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        # Qwen2 always has q/k/v biases and its config does not say so.
+        attention_bias=arch == "qwen2" or cfg.get("attention_bias", False),
+        qk_norm=arch in ("qwen3", "gemma3", "qwen3_moe", "olmoe"),
+        qk_norm_all_heads=arch == "olmoe",
+        **_experts(cfg, arch),
+        # Phi-4-mini rotates 3/4 of each head; transformers rounds the count down.
+        rotary_dim=int(head_dim * partial) if partial != 1 else None,
+        rope_local_theta=local_theta,
+    )
+    if gemma:
+        _gemma_fields(cfg, config)
+    elif arch == "gpt_oss":
+        _gpt_oss_fields(cfg, config)
+    else:
+        _sliding_window(cfg, config)
     return config
 
 
@@ -428,13 +443,17 @@ def hf_tensors(
     loaders/hf_experts.py)."""
     model_dir = Path(model_dir)
     plus_one = config is not None and config.architecture in _GEMMA
+    encoder = config is not None and not config.is_causal
     tensors: dict[str, SafetensorsTensor] = {}
     for shard, names in _shard_map(model_dir).items():
         path = model_dir / shard
         try:
             file = safe_open(path, framework="pt")
             for name in names if names is not None else file.keys():
-                own = _own_name(name)
+                if encoder:
+                    own = encoder_tensor_name(name, config.num_labels > 0)
+                else:
+                    own = _own_name(name)
                 if own is not None and STACKED_EXPERTS.fullmatch(own) and config is not None:
                     experts = stacked_expert_tensors(file, path, own, config.num_experts, dtype)
                     tensors.update(experts)

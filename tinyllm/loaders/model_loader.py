@@ -18,8 +18,7 @@ from tinyllm.loaders.gguf import PROGRESS_BYTES
 from tinyllm.loaders.load_config import LoadConfig
 from tinyllm.loaders.sharding import Shard, read_shard
 from tinyllm.loaders.source import open_checkpoint, open_model
-from tinyllm.model.families import build_model
-from tinyllm.model.llama import Transformer
+from tinyllm.model.families import Model, build_model
 from tinyllm.model.precision import resolve_dtype, resolve_quantization
 from tinyllm.model.quant import describe_weights, quantize_linears
 from tinyllm.text.tokenizer import Tokenizer
@@ -29,7 +28,7 @@ log = logging.getLogger("tinyllm")
 
 @dataclass
 class LoadedModel:
-    model: Transformer  # in eval mode, on the device; a rank's shards under tensor parallelism
+    model: Model  # in eval mode, on the device; a rank's shards under tensor parallelism
     name: str
     path: Path
     tokenizer: Tokenizer

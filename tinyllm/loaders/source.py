@@ -130,6 +130,6 @@ def open_checkpoint(
     # A hub snapshot directory is named after a commit hash, so a hub model goes by its id.
     name = model if model and not Path(model).expanduser().exists() else path.resolve().name
     config = hf_config(path)
-    return Checkpoint(
-        name, path, config, hf_tensors(path, dtype, config), Tokenizer.from_hf_dir(path)
-    )
+    # A pooling model's prompts are tokenized as sentence-transformers tokenizes them.
+    tokenizer = Tokenizer.from_hf_dir(path, post_process=config.pooling is not None)
+    return Checkpoint(name, path, config, hf_tensors(path, dtype, config), tokenizer)

@@ -8,8 +8,10 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral",
-    "olmoe", "gpt_oss",
+    "olmoe", "gpt_oss", "bert", "xlm-roberta", "nomic_bert",
 )  # fmt: skip
+# The encoders among them (model/encoder.py): bidirectional, pooled, never generating.
+ENCODER_ARCHITECTURES = ("bert", "xlm-roberta", "nomic_bert")
 
 # Families close to the supported ones that tinyllm refuses, and why: what their layers do that
 # the model files (model/llama.py, model/gemma.py) and the attention backends do not. Keyed by
@@ -97,6 +99,15 @@ class ModelConfig:
     pooling: str | None = None  # "cls", "mean" or "last"; None: a generation model
     normalize: bool = False  # embeddings L2-normalized (sentence-transformers' Normalize module)
     num_labels: int = 0  # a cross-encoder's classifier outputs: the model's classify(pooled)
+    # Encoders (model/bert.py: BERT, XLM-RoBERTa; model/nomic_bert.py, rotary): token type
+    # embeddings and a LayerNorm after each sublayer; hidden_act is their MLP's activation
+    # (NomicBert's gate's); num_kv_heads equals num_heads.
+    layer_norm_eps: float = 1e-12
+    type_vocab_size: int = 1  # rows of the token type table (BERT's checkpoints have 2)
+    position_offset: int = 0  # XLM-R: the token at position p reads row p + padding_idx + 1
+    # A BERT cross-encoder's pair: tokens after the first of this token (its tokenizer's [SEP])
+    # take token type 1, as the tokenizer types a (query, document) pair; None: all type 0.
+    segment_token_id: int | None = None
     # Above 1, this is one rank's part of a model split over that many (see shard): the head
     # counts and intermediate_size above are the rank's own.
     tensor_parallel_size: int = 1
@@ -127,9 +138,10 @@ class ModelConfig:
                 f"num_experts_per_tok {self.num_experts_per_tok} must be in 1..num_experts "
                 f"({self.num_experts})"
             )
-        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+        acts = ("silu", "gelu_pytorch_tanh") + (() if self.is_causal else ("gelu",))
+        if self.hidden_act not in acts:
             raise UnsupportedModelError(
-                f"unsupported hidden_act {self.hidden_act!r}; needs silu or gelu_pytorch_tanh"
+                f"unsupported hidden_act {self.hidden_act!r}; needs {' or '.join(acts)}"
             )
         if self.pooling not in (None, "cls", "mean", "last"):
             raise UnsupportedModelError(f"pooling {self.pooling!r}: cls, mean or last")
@@ -154,6 +166,11 @@ class ModelConfig:
         rank's heads."""
         if world_size == 1:
             return self
+        if not self.is_causal:
+            raise ValueError(
+                f"tensor parallelism does not split encoders ({self.architecture}); "
+                "run it with tensor_parallel_size 1"
+            )
         if self.qk_norm_all_heads:
             raise ValueError(
                 f"tensor parallelism does not split {self.architecture}: its q/k norms span all "

@@ -19,19 +19,21 @@ import logging
 from tinyllm.model.attention import AttentionBackend
 from tinyllm.model.attention.cpu import CPUBackend
 from tinyllm.model.choices import LAYER_EXECUTORS
+from tinyllm.model.families import Model
 from tinyllm.model.layer_ops import NATIVE_DTYPES, has_op
-from tinyllm.model.llama import Transformer
 
 log = logging.getLogger("tinyllm")
 
 
-def why_not_fused(model: Transformer, backend: AttentionBackend) -> str | None:
+def why_not_fused(model: Model, backend: AttentionBackend) -> str | None:
     """Why the fused ops cannot run this model with this backend, or None if they can."""
     if model.device.type != "cpu":
         return f"the model is on {model.device.type}, and the fused ops are CPU code"
     if not isinstance(backend, CPUBackend):
         return f"the {backend.name} attention backend (the fused ops run the cpu backend's kernel)"
     c = model.config
+    if not c.is_causal:
+        return f"{c.architecture} is an encoder (the fused ops run a decoder's layers)"
     if c.qk_norm_all_heads:
         return f"{c.architecture}'s q/k norms over all heads' width (the fused op norms each head)"
     if c.num_experts and not has_op("decoder_moe"):
@@ -42,7 +44,7 @@ def why_not_fused(model: Transformer, backend: AttentionBackend) -> str | None:
     return None
 
 
-def choose_layer_executor(requested: str, model: Transformer, backend: AttentionBackend) -> str:
+def choose_layer_executor(requested: str, model: Model, backend: AttentionBackend) -> str:
     """ "fused" or "modules" for `requested` (one of LAYER_EXECUTORS), logged with why. Asking
     for "fused" where it cannot run is a ValueError that says why."""
     if requested not in LAYER_EXECUTORS:

@@ -225,3 +225,19 @@ def fuse_projections(state_dict: dict, num_layers: int) -> dict:
             if all(n in fused for n in names):
                 fused[f"{own}.{kind}"] = cat_rows([fused.pop(n) for n in names])
     return fused
+
+
+def assign_weights(model: nn.Module, state_dict: dict[str, Tensor]) -> None:
+    """`state_dict`'s tensors as `model`'s parameters (assigned, not copied), every one by name:
+    a missing or unexpected tensor is an error, not a warning."""
+    own = {k for k, _ in model.named_parameters()}
+    missing, unexpected = own - state_dict.keys(), state_dict.keys() - own
+    if missing or unexpected:
+        raise ValueError(
+            f"weights do not match the {model.config.architecture} model: "
+            f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
+    model.load_state_dict(state_dict, strict=False, assign=True)
+    # Inference only: with no weight asking for gradients, autograd records nothing, even
+    # where the caller's thread has grad mode on outside the model's inference_mode.
+    model.requires_grad_(False)

@@ -33,7 +33,15 @@ from torch import Tensor, nn
 
 from tinyllm.model.attention import ForwardContext
 from tinyllm.model.config import ModelConfig
-from tinyllm.model.layers import MLP, Attention, RMSNorm, Rope, fuse_projections, op_weight
+from tinyllm.model.layers import (
+    MLP,
+    Attention,
+    RMSNorm,
+    Rope,
+    assign_weights,
+    fuse_projections,
+    op_weight,
+)
 from tinyllm.model.moe import MoEArgs, SparseMoE
 
 
@@ -196,17 +204,7 @@ class Transformer(nn.Module):
         tied = self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear)
         if tied:
             state_dict.pop("lm_head.weight", None)
-        own = {k for k, _ in self.named_parameters()}
-        missing, unexpected = own - state_dict.keys(), state_dict.keys() - own
-        if missing or unexpected:
-            raise ValueError(
-                f"weights do not match the {self.config.architecture} model: "
-                f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
-            )
-        self.load_state_dict(state_dict, strict=False, assign=True)
-        # Inference only: with no weight asking for gradients, autograd records nothing, even
-        # where the caller's thread has grad mode on outside the model's inference_mode.
-        self.requires_grad_(False)
+        assign_weights(self, state_dict)
         if tied:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = Rope(self.config, self.device, context)

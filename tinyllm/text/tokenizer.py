@@ -44,9 +44,14 @@ class Tokenizer:
         chat_template: str | None = None,
         bos_token: str | None = None,
         eos_token: str | None = None,
+        post_process: bool = False,
     ) -> None:
-        """`bos_token`/`eos_token` are the texts chat templates get; by default those of the ids."""
+        """`bos_token`/`eos_token` are the texts chat templates get; by default those of the ids.
+        `post_process`: encode adds the special tokens the tokenizer's post-processor adds
+        (BERT's [CLS] ... [SEP], Qwen3-Embedding's closing <|endoftext|>), as
+        sentence-transformers tokenizes for a pooling model, instead of BOS alone."""
         self.backend = backend
+        self.post_process = post_process
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = bos_token_id
         self.eos_token_ids = list(dict.fromkeys(eos_token_ids))  # dedupe, keep the primary first
@@ -79,7 +84,7 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_hf_dir(cls, path: str | Path) -> "Tokenizer":
+    def from_hf_dir(cls, path: str | Path, post_process: bool = False) -> "Tokenizer":
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
             raise ModelLoadError(f"no tokenizer.json in {path}")
@@ -120,15 +125,18 @@ class Tokenizer:
             chat_template=_hf_chat_template(path, tok_config),
             bos_token=token_text("bos_token"),
             eos_token=token_text("eos_token"),
+            post_process=post_process,
         )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; special tokens written in it (`<|im_start|>`) become their ids.
 
         BOS is prepended only when the model wants it, and not twice when a chat template already
-        wrote it at the start of the text.
+        wrote it at the start of the text; with `post_process`, the post-processor's tokens.
         """
         _check_text("prompt", text)
+        if add_special_tokens and self.post_process:
+            return self.backend.encode(text).ids
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
