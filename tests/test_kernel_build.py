@@ -9,6 +9,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+import tomllib
 import venv
 import zipfile
 from pathlib import Path
@@ -205,3 +206,18 @@ def test_two_installs_start_one_after_the_other_without_compiling(tmp_path):
         assert Path(path).is_relative_to(Path(python).parents[1]), path
         kernels = Path(path).parent
         assert sorted(p.name for p in kernels.iterdir()) == sorted(built)  # nothing built
+
+
+def test_readme_installs_the_build_requirements_and_ci_runs_its_commands():
+    """README's first command installs pyproject.toml's build requirements, as they are written
+    there, before building without isolation; .ci/run makes the same installs and runs README's
+    second command verbatim."""
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
+    readme = (ROOT / "README.md").read_text().split("```bash\n", 1)[1].split("```", 1)[0]
+    first, second = readme.strip().splitlines()
+    build_install = first.split(" && ")[1]
+    assert sorted(build_install.replace("'", "").split()[2:]) == sorted(requires)
+    assert ".venv/bin/pip install --no-build-isolation -e ." in first.split(" && ")
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert f"{build_install.replace(' install ', ' install -q ', 1)}\n" in ci
+    assert ci.rstrip().endswith(second)
