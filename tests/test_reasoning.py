@@ -32,10 +32,13 @@ SCHEMA = {
 }
 
 
-def thinking_checkpoint(path: Path, template: str) -> Path:
+def thinking_checkpoint(path: Path, template: str, special: tuple[str, ...] = ()) -> Path:
+    """A random Qwen3 checkpoint with chat `template`, `<think>` and `<tool_call>` tags added
+    to the default model's vocabulary, and `special` as special tokens."""
     tok = Tokenizer.from_gguf(gguf.GGUFReader(default_model_path()))
     backend = tok.backend
     backend.add_tokens(ADDED)
+    backend.add_special_tokens(list(special))
     path.mkdir()
     backend.save(str(path / "tokenizer.json"))
     config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos_token": False}
