@@ -4,6 +4,7 @@ which must reassemble to exactly the whole; the grammars run by llguidance over 
 model's tokens with harmony's markers added as special tokens; gpt-oss's real chat template
 (tests/data/templates/openai-gpt-oss-120b.jinja) detected and rendered."""
 
+import io
 import itertools
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import llguidance
 import pytest
 
 from tests.test_tool_grammar import FUNCTIONS, accepts
+from tinyllm.entrypoints.cli import ThinkingDisplay
 from tinyllm.text.answer import Answer, AnswerStream, parse_answer
 from tinyllm.text.chat_template import render_chat_template
 from tinyllm.text.harmony import HarmonySplit
@@ -151,6 +153,17 @@ def test_a_long_body_streamed_in_small_pieces_is_read_once(monkeypatch) -> None:
         reasoning += split.feed(text[i : i + 3], final=False)[0]
     assert reasoning == "a <b |c> <|d " * 500
     assert read <= 2 * len(text)
+
+
+def test_cli_chat_dims_the_analysis_channel() -> None:
+    out = io.StringIO()
+    out.isatty = lambda: True
+    shown = ThinkingDisplay(HarmonySplit(), out)
+    for piece in ["<|channel|>analysis<|mess", "age|>Plan.<|end|><|start|>assistant<|ch", "an"]:
+        shown.write(piece)
+    shown.write("nel|>final<|message|>Paris.<|return|>", final=True)
+    assert shown.content == "Paris."
+    assert out.getvalue() == f"{ThinkingDisplay.DIM}Plan.{ThinkingDisplay.PLAIN}\n\nParis."
 
 
 def test_reasoning_tokens_end_at_the_last_analysis_message() -> None:

@@ -15,6 +15,7 @@ import pytest
 from tests.http_server import openai_client
 from tests.test_harmony import MARKERS
 from tests.test_reasoning import ASK, SCHEMA, load, thinking_checkpoint
+from tinyllm import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -186,11 +187,14 @@ def test_reasoning_effort_reaches_the_template(client) -> None:
     assert out.output_text == high
 
 
-def test_responses_api_reasoning_and_call(checkpoint) -> None:
+def test_llm_chat_and_responses_give_the_chat_dialects_answer(checkpoint) -> None:
     """Greedy, unbiased, thinking 3 tokens at most (`--reasoning-budget`, as Responses has no
-    budget of its own): the same answer as the chat dialect's, whole and streamed."""
+    budget of its own): the same reasoning and call from LLM.chat, the chat dialect, and
+    Responses whole and streamed."""
     llm = load(checkpoint)
     llm.reasoning_budget = 3
+    params = SamplingParams(max_tokens=60, temperature=0)
+    (offline,) = llm.chat(ASK, params, use_tqdm=False, tools=TOOLS, tool_choice="required")
     with openai_client(llm) as client:
         chat = client.chat.completions.create(
             model=client.model,
@@ -214,6 +218,11 @@ def test_responses_api_reasoning_and_call(checkpoint) -> None:
     (call,) = chat.message.tool_calls
     reasoning = chat.message.model_extra.get("reasoning_content")
     assert reasoning  # greedy, this model thinks first
+    completion = offline.outputs[0]
+    assert (completion.reasoning, completion.text) == (reasoning, "")
+    assert [(c.name, c.arguments, c.complete) for c in completion.tool_calls] == [
+        (call.function.name, call.function.arguments, True)
+    ]
     assert [item.type for item in out.output] == ["reasoning", "function_call"]
     thought, fc = out.output
     assert thought.content[0].text == reasoning

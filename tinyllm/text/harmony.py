@@ -20,7 +20,10 @@ local copy), so it cannot run offline, and only gpt-oss's own tokenizer has thos
 keeps the markers (they are special tokens, which requests in this format do not skip).
 """
 
+import dataclasses
 import re
+from collections.abc import Callable
+from typing import TypeVar
 
 from tinyllm.text.tool_calls import CallDelta, new_call_id
 
@@ -33,6 +36,7 @@ _CLOSERS = (END, RETURN, CALL, START)
 _FUNCTIONS = "functions."
 _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
+P = TypeVar("P")
 
 
 def is_harmony(template: str | None) -> bool:
@@ -151,6 +155,15 @@ class HarmonySplit:
             if seen == self.thought_end:
                 return i + 1
         return len(token_ids)  # the marker spelled out in text
+
+
+def keep_markers(params: P, token_to_id: Callable[[str], int | None]) -> P:
+    """`params` (SamplingParams) for a harmony answer: the markers kept in its text for
+    HarmonySplit, and generation ending at STOP_TOKENS (those the vocabulary has)."""
+    stops = [i for i in map(token_to_id, STOP_TOKENS) if i is not None]
+    return dataclasses.replace(
+        params, skip_special_tokens=False, stop_token_ids=[*params.stop_token_ids, *stops]
+    )
 
 
 def thinking_off() -> str:

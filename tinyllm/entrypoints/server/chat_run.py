@@ -99,15 +99,13 @@ class ChatServing:
         self.default_max_tokens = llm.default_sampling.get("max_tokens")
         self.reasoning, self.reasoning_budget = llm.reasoning, llm.reasoning_budget
         self.tool_format = llm.tool_format
-        # gpt-oss's harmony format: its markers are special tokens, kept in the text for the
-        # parser, and generation ends at <|return|> and <|call|>.
+        # gpt-oss's harmony format: its calls are parsed with its channels, so either parser
+        # naming it picks both.
         self.harmony = self.tool_format.name == "openai" or (
             self.reasoning is not None and self.reasoning.harmony
         )
         if self.harmony:
             self.reasoning = HARMONY
-            stops = [self.tokenizer.token_to_id(t) for t in harmony.STOP_TOKENS]
-            self.harmony_stops = [i for i in stops if i is not None]
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -148,10 +146,7 @@ class ChatServing:
         )
         if self.harmony:
             for c in choices:
-                stops = c.params.stop_token_ids + self.harmony_stops
-                c.params = dataclasses.replace(
-                    c.params, skip_special_tokens=False, stop_token_ids=stops
-                )
+                c.params = harmony.keep_markers(c.params, self.tokenizer.token_to_id)
         return ChatRun(Generation(self.loop, request_id, [prompt], choices), tools, thinking)
 
     async def render(
