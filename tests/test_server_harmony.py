@@ -1,10 +1,11 @@
-"""gpt-oss's harmony format through the real server and the official openai client: a random
-Qwen3 checkpoint whose vocabulary has harmony's markers as special tokens and whose chat
-template is gpt-oss's (tests/data/templates/openai-gpt-oss-120b.jinja). Random weights write
-garbage, so the tests steer them: a bias towards the word `analysis` (which, where the grammar
-lets the model choose a channel, picks the analysis channel), a thinking budget that closes it,
-forced tool_choice and response_format. The reasoning, content and calls must come apart the
-same whole and streamed, with no marker in what the client is shown."""
+"""gpt-oss's harmony format through the real server and the official openai client: a tiny
+random gpt-oss checkpoint whose vocabulary (the default model's) has harmony's markers as
+special tokens and whose chat template is gpt-oss's (openai-gpt-oss-120b.jinja in
+tests/data/templates). Random weights write garbage, so the tests steer them: a bias towards
+the word `analysis` (which, where the grammar lets the model choose a channel, picks the
+analysis channel), a thinking budget that closes it, forced tool_choice and response_format.
+The reasoning, content and calls must come apart the same whole and streamed, with no marker
+in what the client is shown."""
 
 import json
 from pathlib import Path
@@ -13,9 +14,12 @@ import jsonschema
 import pytest
 
 from tests.http_server import openai_client
+from tests.test_gpt_oss import GPT_OSS
 from tests.test_harmony import MARKERS
 from tests.test_reasoning import ASK, SCHEMA, load, thinking_checkpoint
 from tinyllm import SamplingParams
+from tinyllm.entrypoints.server.responses_input import chat_body
+from tinyllm.entrypoints.server.responses_protocol import ResponsesRequest
 
 pytestmark = pytest.mark.slow
 
@@ -38,8 +42,9 @@ TOOLS = [
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("harmony") / "gpt-oss-template"
-    return thinking_checkpoint(path, "openai-gpt-oss-120b.jinja", tuple(MARKERS))
+    path = tmp_path_factory.mktemp("harmony") / "gpt-oss"
+    shape = {**GPT_OSS, "tie_word_embeddings": False}
+    return thinking_checkpoint(path, "openai-gpt-oss-120b.jinja", tuple(MARKERS), "GptOss", **shape)
 
 
 @pytest.fixture(scope="module")
@@ -168,23 +173,33 @@ def test_return_and_call_end_the_answer(client, llm) -> None:
 
 
 def test_reasoning_effort_reaches_the_template(client) -> None:
-    def answer(**extra) -> str:
-        out = client.chat.completions.create(
-            model=client.model, messages=ASK, max_tokens=8, temperature=0, **extra
-        )
-        return out.choices[0].message.content
+    """The first token's logprobs: the prompt differs where the template writes the effort."""
 
-    high = answer(reasoning_effort="high")
-    assert high != answer(reasoning_effort="low")
-    assert high == answer(extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}})
-    out = client.responses.create(
-        model=client.model,
-        input=ASK[0]["content"],
-        max_output_tokens=8,
-        temperature=0,
-        reasoning={"effort": "high"},
-    )
-    assert out.output_text == high
+    def first_token(**extra) -> dict[str, float]:
+        out = client.chat.completions.create(
+            model=client.model,
+            messages=ASK,
+            max_tokens=1,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=5,
+            **extra,
+        )
+        return {t.token: t.logprob for t in out.choices[0].logprobs.content[0].top_logprobs}
+
+    def same(a: dict[str, float], b: dict[str, float]) -> bool:
+        # (Within float rounding: a prompt the prefix cache holds in part prefills in other
+        # steps.)
+        return a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+
+    high = first_token(reasoning_effort="high")
+    low, medium = first_token(reasoning_effort="low"), first_token()  # medium: the default
+    assert not same(high, low) and not same(low, medium) and not same(high, medium)
+    kwargs = {"chat_template_kwargs": {"reasoning_effort": "high"}}
+    assert same(high, first_token(extra_body=kwargs))
+    # Responses' reasoning.effort is the same field.
+    request = ResponsesRequest(input="Hi", reasoning={"effort": "high"})
+    assert chat_body(request, [], [])["reasoning_effort"] == "high"
 
 
 def test_llm_chat_and_responses_give_the_chat_dialects_answer(checkpoint) -> None:
