@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 
 import jsonschema
+import ollama
+import openai
 import pytest
 
 from tests.http_server import openai_client
@@ -197,15 +199,18 @@ def test_reasoning_effort_reaches_the_template(client) -> None:
     assert not same(high, low) and not same(low, medium) and not same(high, medium)
     kwargs = {"chat_template_kwargs": {"reasoning_effort": "high"}}
     assert same(high, first_token(extra_body=kwargs))
+    with pytest.raises(openai.BadRequestError, match="reasoning_effort") as e:
+        first_token(reasoning_effort="extreme")
+    assert e.value.body["param"] == "reasoning_effort"
     # Responses' reasoning.effort is the same field.
     request = ResponsesRequest(input="Hi", reasoning={"effort": "high"})
     assert chat_body(request, [], [])["reasoning_effort"] == "high"
 
 
-def test_llm_chat_and_responses_give_the_chat_dialects_answer(checkpoint) -> None:
-    """Greedy, unbiased, thinking 3 tokens at most (`--reasoning-budget`, as Responses has no
-    budget of its own): the same reasoning and call from LLM.chat, the chat dialect, and
-    Responses whole and streamed."""
+def test_llm_chat_responses_and_ollama_give_the_chat_dialects_answer(checkpoint) -> None:
+    """Greedy, unbiased, thinking 3 tokens at most (`--reasoning-budget`, as Responses and
+    Ollama have no budget of their own): the same reasoning and call from LLM.chat, the chat
+    dialect, Responses whole and streamed, and Ollama's chat."""
     llm = load(checkpoint)
     llm.reasoning_budget = 3
     params = SamplingParams(max_tokens=60, temperature=0)
@@ -230,6 +235,26 @@ def test_llm_chat_and_responses_give_the_chat_dialects_answer(checkpoint) -> Non
         out = client.responses.create(**body)
         with client.responses.stream(**body) as stream:
             final = stream.get_final_response()
+        # Ollama's think level (what it takes for gpt-oss) is the effort; its tools are "auto".
+        auto = (
+            client.chat.completions.create(
+                model=client.model,
+                messages=ASK,
+                max_tokens=30,
+                temperature=0,
+                tools=TOOLS,
+                reasoning_effort="high",
+            )
+            .choices[0]
+            .message
+        )
+        host = str(client.base_url).removesuffix("/v1/")
+        options = {"temperature": 0, "num_predict": 30}
+        local = (
+            ollama.Client(host=host)
+            .chat(model=client.model, messages=ASK, tools=TOOLS, think="high", options=options)
+            .message
+        )
     (call,) = chat.message.tool_calls
     reasoning = chat.message.model_extra.get("reasoning_content")
     assert reasoning  # greedy, this model thinks first
@@ -242,6 +267,11 @@ def test_llm_chat_and_responses_give_the_chat_dialects_answer(checkpoint) -> Non
     thought, fc = out.output
     assert thought.content[0].text == reasoning
     assert (fc.name, fc.arguments) == (call.function.name, call.function.arguments)
+    assert local.thinking == auto.model_extra["reasoning_content"] and local.thinking
+    assert (local.content or "") == (auto.content or "")
+    assert [(c.function.name, c.function.arguments) for c in local.tool_calls or []] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in auto.tool_calls or []
+    ]
     same = {"id", "call_id", "parsed_arguments"}  # set apart by the SDK's stream helper
     assert [i.model_dump(exclude=same) for i in final.output] == [
         i.model_dump(exclude=same) for i in out.output
