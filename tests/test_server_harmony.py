@@ -190,8 +190,8 @@ def test_reasoning_effort_reaches_the_template(client) -> None:
         return {t.token: t.logprob for t in out.choices[0].logprobs.content[0].top_logprobs}
 
     def same(a: dict[str, float], b: dict[str, float]) -> bool:
-        # (Within float rounding: a prompt the prefix cache holds in part prefills in other
-        # steps.)
+        # Within float rounding: a prompt the prefix cache holds in part is prefilled in
+        # other steps.
         return a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
 
     high = first_token(reasoning_effort="high")
