@@ -19,9 +19,11 @@ from tests.http_server import openai_client
 from tests.test_gpt_oss import GPT_OSS
 from tests.test_harmony import MARKERS
 from tests.test_reasoning import ASK, SCHEMA, load, thinking_checkpoint
-from tinyllm import SamplingParams
+from tinyllm import LLM, SamplingParams
 from tinyllm.entrypoints.server.responses_input import chat_body
 from tinyllm.entrypoints.server.responses_protocol import ResponsesRequest
+from tinyllm.text.reasoning import HARMONY
+from tinyllm.text.tool_formats import HARMONY as HARMONY_CALLS
 
 pytestmark = pytest.mark.slow
 
@@ -276,3 +278,17 @@ def test_llm_chat_responses_and_ollama_give_the_chat_dialects_answer(checkpoint)
     assert [i.model_dump(exclude=same) for i in final.output] == [
         i.model_dump(exclude=same) for i in out.output
     ]
+
+
+def test_the_openai_tool_parser_brings_harmonys_channels(checkpoint) -> None:
+    """Harmony's calls are parsed with its channels: naming its tool-call parser is enough."""
+    llm = LLM(
+        str(checkpoint),
+        "float32",
+        quantization="none",
+        max_model_len=512,
+        num_blocks=64,
+        reasoning_parser="none",
+        tool_call_parser="openai",
+    )
+    assert llm.reasoning is HARMONY and llm.tool_format is HARMONY_CALLS

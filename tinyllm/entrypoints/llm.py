@@ -22,7 +22,13 @@ from tinyllm.model.config import ModelLoadError
 from tinyllm.model.tensor_parallel import apply_tp
 from tinyllm.text import harmony
 from tinyllm.text.answer import parse_answer
-from tinyllm.text.reasoning import ThinkSplit, reasoning_format, template_kwargs, thinking_state
+from tinyllm.text.reasoning import (
+    HARMONY,
+    ThinkSplit,
+    reasoning_format,
+    template_kwargs,
+    thinking_state,
+)
 from tinyllm.text.reasoning_grammar import harmony_grammar, thinking_grammar
 from tinyllm.text.tool_calls import parse_tool_calls
 from tinyllm.text.tool_formats import tool_format
@@ -89,6 +95,8 @@ class LLM:
         self.tool_format = tool_format(own.tool_call_parser, self.tokenizer.chat_template)
         # A thinking model's format (None: it does not think), and its thinking budget.
         self.reasoning = reasoning_format(own.reasoning_parser, loaded.tokenizer.chat_template)
+        if self.tool_format.name == "openai":  # harmony's calls are parsed with its channels
+            self.reasoning = HARMONY
         self.reasoning_budget = own.reasoning_budget
         self.default_sampling = default_sampling(own.generation_config, loaded.path, loaded.reader)
         try:

@@ -41,7 +41,6 @@ from tinyllm.text import harmony
 from tinyllm.text.answer import Answer, AnswerDelta, AnswerStream
 from tinyllm.text.harmony import HarmonySplit
 from tinyllm.text.reasoning import (
-    HARMONY,
     ReasoningFormat,
     ThinkingState,
     ThinkSplit,
@@ -99,13 +98,7 @@ class ChatServing:
         self.default_max_tokens = llm.default_sampling.get("max_tokens")
         self.reasoning, self.reasoning_budget = llm.reasoning, llm.reasoning_budget
         self.tool_format = llm.tool_format
-        # gpt-oss's harmony format: its calls are parsed with its channels, so either parser
-        # naming it picks both.
-        self.harmony = self.tool_format.name == "openai" or (
-            self.reasoning is not None and self.reasoning.harmony
-        )
-        if self.harmony:
-            self.reasoning = HARMONY
+        self.harmony = self.reasoning is not None and self.reasoning.harmony
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
