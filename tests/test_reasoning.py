@@ -32,23 +32,29 @@ SCHEMA = {
 }
 
 
-def thinking_checkpoint(path: Path, template: str) -> Path:
+def thinking_checkpoint(
+    path: Path,
+    template: str,
+    special: tuple[str, ...] = (),
+    family: str = "Qwen3",
+    **overrides,
+) -> Path:
+    """A random checkpoint of `family` (a tiny Qwen3) with chat `template`, `<think>` and
+    `<tool_call>` tags added to the default model's vocabulary, and `special` as special
+    tokens."""
     tok = Tokenizer.from_gguf(gguf.GGUFReader(default_model_path()))
     backend = tok.backend
     backend.add_tokens(ADDED)
+    backend.add_special_tokens(list(special))
     path.mkdir()
     backend.save(str(path / "tokenizer.json"))
     config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos_token": False}
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     (path / "chat_template.jinja").write_text((TEMPLATES / template).read_text())
     ids = dict(bos_token_id=None, eos_token_id=backend.token_to_id("<|im_end|>"), pad_token_id=0)
+    shape = dict(head_dim=16, tie_word_embeddings=True, max_position_embeddings=1024)
     model = _random_hf_model(
-        "Qwen3",
-        vocab_size=backend.get_vocab_size(),
-        head_dim=16,
-        tie_word_embeddings=True,
-        max_position_embeddings=1024,
-        **ids,
+        family, vocab_size=backend.get_vocab_size(), **{**shape, **ids, **overrides}
     )
     model.save_pretrained(path, safe_serialization=True)
     return path

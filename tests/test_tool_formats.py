@@ -68,7 +68,7 @@ def test_a_named_parser_overrides_the_template():
     assert tool_format("llama3_json", None) is LLAMA3_JSON
     assert tool_format("mistral", devstral) is MISTRAL_V11
     assert tool_format("mistral", llama) is MISTRAL_V3
-    assert set(TOOL_CALL_PARSERS) == {"auto", "hermes", "llama3_json", "mistral"}
+    assert set(TOOL_CALL_PARSERS) == {"auto", "hermes", "llama3_json", "mistral", "openai"}
     with pytest.raises(ValueError, match="tool_call_parser: 'nope' is not one of auto"):
         tool_format("nope")
 

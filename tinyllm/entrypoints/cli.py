@@ -25,6 +25,8 @@ from tinyllm.entrypoints.generation_config import DEFAULT_MAX_TOKENS
 from tinyllm.entrypoints.server.options import ServerOptions
 from tinyllm.entrypoints.workloads import WORKLOADS
 from tinyllm.host.torchrun import torchrun_rank
+from tinyllm.text import harmony
+from tinyllm.text.answer import AnswerStream
 from tinyllm.text.reasoning import ThinkSplit, thinking_state
 
 # A prompt that takes more engine steps than this to prefill gets a progress bar.
@@ -206,19 +208,21 @@ class ThinkingDisplay:
 
     DIM, PLAIN = "\x1b[2m", "\x1b[0m"
 
-    def __init__(self, split: ThinkSplit, out=None) -> None:
-        self.split, self.out = split, out or sys.stdout
+    def __init__(self, split: ThinkSplit | harmony.HarmonySplit, out=None) -> None:
+        self.answer, self.out = AnswerStream(split), out or sys.stdout
         self.content = ""  # the answer without its thinking, for the conversation
+        self.thought = False  # whether thinking was shown
         self._tty = self.out.isatty()
 
     def write(self, text: str, final: bool = False) -> None:
-        reasoning, content = self.split.feed(text, final)
-        if reasoning and self._tty:
-            self.out.write(f"{self.DIM}{reasoning}{self.PLAIN}")
-        if content and self.split.thought and not self.content and self._tty:
+        new = self.answer.feed(text, final)
+        if new.reasoning and self._tty:
+            self.out.write(f"{self.DIM}{new.reasoning}{self.PLAIN}")
+        self.thought = self.thought or bool(new.reasoning)
+        if new.content and self.thought and not self.content and self._tty:
             self.out.write("\n\n")  # the answer apart from the thinking above it
-        self.content += content
-        self.out.write(content)
+        self.content += new.content
+        self.out.write(new.content)
 
     def flush(self) -> None:
         self.out.flush()
@@ -240,13 +244,17 @@ def cmd_chat(args: argparse.Namespace) -> None:
             continue
         messages.append({"role": "user", "content": user})
         prompt, ids = llm.tokenizer.encode_chat(messages)
+        params = _params(llm, args)
         if llm.reasoning is None:
-            reply = stream(llm, ids, _params(llm, args)).text
+            reply = stream(llm, ids, params).text
         else:
-            shown = ThinkingDisplay(
-                ThinkSplit(llm.reasoning, thinking_state(llm.reasoning, prompt))
-            )
-            stream(llm, ids, _params(llm, args), out=shown)
+            if llm.reasoning.harmony:  # its markers kept for the split; it ends at <|return|>
+                params = harmony.keep_markers(params, llm.tokenizer.token_to_id)
+                split = harmony.HarmonySplit()
+            else:
+                split = ThinkSplit(llm.reasoning, thinking_state(llm.reasoning, prompt))
+            shown = ThinkingDisplay(split)
+            stream(llm, ids, params, out=shown)
             shown.write("", final=True)
             reply = shown.content
         print()

@@ -20,9 +20,16 @@ from tinyllm.loaders.load_config import LoadConfig
 from tinyllm.loaders.model_loader import load_model
 from tinyllm.model.config import ModelLoadError
 from tinyllm.model.tensor_parallel import apply_tp
+from tinyllm.text import harmony
 from tinyllm.text.answer import parse_answer
-from tinyllm.text.reasoning import ThinkSplit, reasoning_format, template_kwargs, thinking_state
-from tinyllm.text.reasoning_grammar import thinking_grammar
+from tinyllm.text.reasoning import (
+    HARMONY,
+    ThinkSplit,
+    reasoning_format,
+    template_kwargs,
+    thinking_state,
+)
+from tinyllm.text.reasoning_grammar import harmony_grammar, thinking_grammar
 from tinyllm.text.tool_calls import parse_tool_calls
 from tinyllm.text.tool_formats import tool_format
 from tinyllm.text.tool_grammar import tool_choice_grammar
@@ -88,6 +95,8 @@ class LLM:
         self.tool_format = tool_format(own.tool_call_parser, self.tokenizer.chat_template)
         # A thinking model's format (None: it does not think), and its thinking budget.
         self.reasoning = reasoning_format(own.reasoning_parser, loaded.tokenizer.chat_template)
+        if self.tool_format.name == "openai":  # harmony's calls are parsed with its channels
+            self.reasoning = HARMONY
         self.reasoning_budget = own.reasoning_budget
         self.default_sampling = default_sampling(own.generation_config, loaded.path, loaded.reader)
         try:
@@ -212,8 +221,11 @@ class LLM:
                 return p
             return dataclasses.replace(p, structured_outputs=grammars[key])
 
-        outputs = self._submit_chat(encoded, [with_tools(p) for p in params], use_tqdm)
-        if tool_choice != "none":
+        calls = tool_choice != "none"
+        params = [with_tools(p) for p in params]
+        tool_grammars = {g.grammar for g in grammars.values()}
+        outputs = self._submit_chat(encoded, params, use_tqdm, tool_grammars, calls)
+        if calls and not (self.reasoning and self.reasoning.harmony):  # else split out already
             for completion in (c for out in outputs for c in out.outputs):
                 cut = completion.finish_reason == "length"
                 parsed = parse_tool_calls(completion.text, cut=cut, scan=self.tool_format.scan)
@@ -225,10 +237,13 @@ class LLM:
         prompts: list[tuple[str, list[int]]],
         params: SamplingParams | list[SamplingParams] | None,
         use_tqdm: bool,
+        tool_grammars: set[str | None] | None = None,
+        calls: bool = False,
     ) -> list[RequestOutput]:
         """_submit for chat prompts: on a thinking model, each prompt's constraint and the
         thinking budget apply after the thinking, and each answer's thinking moves from `text`
-        to `reasoning`."""
+        to `reasoning`. `tool_grammars`: the constraints that are tool grammars; `calls`: a
+        harmony answer's calls go to `tool_calls` (split out here with its reasoning)."""
         fmt = self.reasoning
         if fmt is None or (isinstance(params, list) and len(params) != len(prompts)):
             return self._submit(prompts, params, use_tqdm)  # (which refuses a length mismatch)
@@ -239,6 +254,8 @@ class LLM:
         states = [thinking_state(fmt, text) for text, _ in prompts]
         budget = self.reasoning_budget
         for i, (p, state) in enumerate(zip(params, states, strict=True)):
+            if fmt.harmony:  # its markers kept in the text for the split, as the server does
+                p = params[i] = harmony.keep_markers(p, self.tokenizer.token_to_id)
             so = p.structured_outputs
             if state != "closed" and (so is not None or budget is not None):
                 answer = (
@@ -246,14 +263,23 @@ class LLM:
                     if so is None
                     else {k: v for k, v in dataclasses.asdict(so).items() if v not in (None, False)}
                 )
-                grammar = thinking_grammar(self.tokenizer, fmt, state, answer, budget)
+                if fmt.harmony:  # a tool grammar writes whole messages, others a final one's body
+                    messages = so is not None and so.grammar in (tool_grammars or ())
+                    grammar = harmony_grammar(self.tokenizer, False, answer, budget, messages)
+                else:
+                    grammar = thinking_grammar(self.tokenizer, fmt, state, answer, budget)
                 so = StructuredOutputsParams(grammar=grammar)
                 params[i] = dataclasses.replace(p, structured_outputs=so)
         outputs = self._submit(prompts, params, use_tqdm)
         for out, state in zip(outputs, states, strict=True):
             for completion in out.outputs:
-                answer = parse_answer(completion.text, ThinkSplit(fmt, state))
+                split = harmony.HarmonySplit() if fmt.harmony else ThinkSplit(fmt, state)
+                answer = parse_answer(completion.text, split)
                 completion.reasoning, completion.text = answer.reasoning, answer.content
+                if calls and isinstance(split, harmony.HarmonySplit):
+                    for call, whole in zip(answer.calls, split.complete, strict=True):
+                        call.complete = whole
+                    completion.tool_calls = answer.calls
         return outputs
 
     def _submit(

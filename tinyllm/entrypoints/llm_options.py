@@ -47,8 +47,9 @@ class LLMOptions:
     reasoning_parser: str = option(
         "auto",
         "how a thinking model's <think> part is kept apart from its answer: auto (a model "
-        "thinks if its chat template writes <think>), none (never: all is answer), qwen3, "
-        "deepseek_r1 (the answer starts inside the thinking)",
+        "thinks if its chat template writes <think>, or gpt-oss's harmony format), none "
+        "(never: all is answer), qwen3, deepseek_r1 (the answer starts inside the thinking), "
+        "openai_gptoss (harmony's analysis channel)",
         choices=REASONING_PARSERS,
     )
     reasoning_budget: int | None = option(

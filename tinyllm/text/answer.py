@@ -1,5 +1,6 @@
 """A chat answer's text, as the model writes it, into what clients are shown apart: the
-reasoning (a thinking model's `<think>` part), the content, and the tool calls.
+reasoning (a thinking model's `<think>` part), the content, and the tool calls. A harmony answer
+(gpt-oss's) is split by its channels instead, calls included (tinyllm.text.harmony).
 
 One `AnswerStream` per answer. The server feeds it each streamed delta; `LLM.chat` and the
 server's whole (non-streamed) answers feed it the whole text once. Every dialect (OpenAI chat,
@@ -10,6 +11,7 @@ reassembles to exactly the whole one.
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tinyllm.text.harmony import HarmonySplit
 from tinyllm.text.tool_calls import CallDelta, ToolCall, ToolCallStream
 from tinyllm.text.tool_formats import ToolFormat
 
@@ -35,25 +37,37 @@ class AnswerDelta:
 
 class AnswerStream:
     """`reasoning`: the model's thinking splitter (None: it does not think). `tools`: the
-    format of the tool calls the answer may hold, parsed out of the content (None: no calls)."""
+    format of the tool calls the answer may hold, parsed out of the content (None: no calls).
+    A `HarmonySplit` as `reasoning` splits off the calls itself (`tools` is not read)."""
 
     def __init__(
-        self, reasoning: ReasoningSplit | None = None, tools: ToolFormat | None = None
+        self,
+        reasoning: ReasoningSplit | HarmonySplit | None = None,
+        tools: ToolFormat | None = None,
     ) -> None:
         self.reasoning = reasoning
-        self.tools = ToolCallStream(tools.scan) if tools is not None else None
+        self.channels = reasoning if isinstance(reasoning, HarmonySplit) else None
+        use_tools = tools is not None and self.channels is None
+        self.tools = ToolCallStream(tools.scan) if use_tools else None
 
     @property
     def has_calls(self) -> bool:
+        if self.channels is not None:
+            return bool(self.channels.ids)
         return bool(self.tools and self.tools.ids)
 
     @property
     def calls_complete(self) -> bool:
         """Whether every call is whole (none was cut by max_tokens or a stop string)."""
+        if self.channels is not None:
+            return all(self.channels.complete)
         return self.tools is None or self.tools.all_complete
 
     def feed(self, text: str, final: bool, cut: bool = False) -> AnswerDelta:
         """`cut`: the answer ended at max_tokens (a begun call or trigger is not content)."""
+        if self.channels is not None:
+            reasoning, content, calls = self.channels.feed(text, final, cut)
+            return AnswerDelta(content, reasoning, calls)
         reasoning, content = self.reasoning.feed(text, final) if self.reasoning else ("", text)
         calls: list[CallDelta] = []
         if self.tools is not None:
@@ -79,7 +93,9 @@ class Answer:
 
 
 def parse_answer(
-    text: str, reasoning: ReasoningSplit | None = None, tools: ToolFormat | None = None
+    text: str,
+    reasoning: ReasoningSplit | HarmonySplit | None = None,
+    tools: ToolFormat | None = None,
 ) -> Answer:
     """A whole answer's parts."""
     answer = Answer()

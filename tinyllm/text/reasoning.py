@@ -12,15 +12,24 @@ request's rendered prompt then says where the answer starts (`thinking_state`):
 
 `ThinkSplit` splits the answer as it streams; split points inside a tag are held back until
 the next delta says what they are, so a streamed answer reassembles to exactly the whole one.
+
+A template that writes gpt-oss's harmony format thinks in its analysis channel instead
+(`openai_gptoss`, tinyllm.text.harmony): its answers always may start with reasoning.
 """
 
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from tinyllm.text import harmony
+
 THINK_START, THINK_END = "<think>", "</think>"
-REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3")
+REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3", "openai_gptoss")
 # The template variable Qwen3's and SmolLM3's templates read to turn thinking off.
 THINKING_SWITCH = "enable_thinking"
+# The one gpt-oss's template reads for how hard to think (low, medium, high).
+EFFORT = "reasoning_effort"
+# OpenAI's efforts past those three, as the nearest of them.
+_EFFORTS = {"none": "low", "minimal": "low", "xhigh": "high"}
 
 ThinkingState = Literal["open", "closed", "maybe"]
 
@@ -28,11 +37,18 @@ ThinkingState = Literal["open", "closed", "maybe"]
 @dataclass(frozen=True)
 class ReasoningFormat:
     """How a model writes its thinking. `starts_inside`: the answer begins inside the thinking
-    unless the prompt closed it (DeepSeek-R1, whose answers often lack the opening tag)."""
+    unless the prompt closed it (DeepSeek-R1, whose answers often lack the opening tag).
+    `harmony`: the thinking is gpt-oss's analysis channel."""
 
     starts_inside: bool = False
     start: str = THINK_START
     end: str = THINK_END
+    harmony: bool = False
+
+
+HARMONY = ReasoningFormat(
+    start=f"{harmony.CHANNEL}analysis{harmony.MESSAGE}", end=harmony.END, harmony=True
+)
 
 
 def reasoning_format(parser: str, template: str | None) -> ReasoningFormat | None:
@@ -42,6 +58,8 @@ def reasoning_format(parser: str, template: str | None) -> ReasoningFormat | Non
         raise ValueError(
             f"reasoning_parser: {parser!r} is not one of {', '.join(REASONING_PARSERS)}"
         )
+    if parser == "openai_gptoss" or (parser == "auto" and harmony.is_harmony(template)):
+        return HARMONY
     if parser == "none" or (parser == "auto" and THINK_START not in (template or "")):
         return None
     return ReasoningFormat(starts_inside=parser == "deepseek_r1")
@@ -63,13 +81,19 @@ def thinking_state(fmt: ReasoningFormat, prompt: str) -> ThinkingState:
 
 
 def template_kwargs(
-    template: str | None, enable_thinking: bool | None, kwargs: dict[str, Any] | None
+    template: str | None,
+    enable_thinking: bool | None,
+    kwargs: dict[str, Any] | None,
+    effort: str | None = None,
 ) -> dict[str, Any]:
     """The chat template's extra variables: `kwargs` (chat_template_kwargs), and the thinking
-    switch where the template has one and `kwargs` leaves it unset."""
+    switch and reasoning `effort` where the template reads them and `kwargs` leaves them
+    unset."""
     out = dict(kwargs or {})
     if enable_thinking is not None and has_thinking_switch(template):
         out.setdefault(THINKING_SWITCH, enable_thinking)
+    if effort is not None and EFFORT in (template or ""):
+        out.setdefault(EFFORT, _EFFORTS.get(effort, effort))
     return out
 
 
@@ -88,6 +112,8 @@ def plan_thinking(
     off where the template could not) and where the answer starts ("closed": no thinking)."""
     if fmt is None:
         return "", "closed"
+    if fmt.harmony:  # no switch: an empty analysis message turns it off
+        return (harmony.thinking_off(), "closed") if enable_thinking is False else ("", "maybe")
     state = thinking_state(fmt, prompt)
     if enable_thinking is False and state != "closed":
         return thinking_off(fmt, state), "closed"
@@ -152,6 +178,15 @@ class ThinkSplit:
             break
         return reasoning, content
 
+    def reasoning_tokens(self, token_ids: list[int], end_id: int | None) -> int:
+        """How many of an answer's tokens (`token_ids`, all of them) are its thinking, the tags
+        included; `end_id`: the end tag's token."""
+        if not self.thought:
+            return 0
+        if self.thinking or end_id is None or end_id not in token_ids:
+            return len(token_ids)  # cut inside the thinking, or the tag spelled out in text
+        return token_ids.index(end_id) + 1
+
 
 def _held(text: str, tag: str) -> int:
     """How much of the end of `text` to hold back: a tail that may be the start of `tag`, and
@@ -159,13 +194,3 @@ def _held(text: str, tag: str) -> int:
     k = next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), 0)
     body = text[: len(text) - k]
     return k + len(body) - len(body.rstrip())
-
-
-def reasoning_tokens(split: ThinkSplit, token_ids: list[int], end_id: int | None) -> int:
-    """How many of an answer's tokens (`token_ids`, all of them) are its thinking, the tags
-    included."""
-    if not split.thought:
-        return 0
-    if split.thinking or end_id is None or end_id not in token_ids:
-        return len(token_ids)  # cut inside the thinking, or the tag spelled out in text
-    return token_ids.index(end_id) + 1

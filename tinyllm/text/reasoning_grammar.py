@@ -4,6 +4,13 @@
     thinking: <think> thought </think> "\\n\\n"?    (no <think> if the prompt opened it)
     thought[max_tokens=N]: free text without `</think>`
 
+gpt-oss's harmony format (`harmony_grammar`) thinks in an analysis message instead, and answers in
+a final message (or the tool grammar's messages):
+
+    start: thinking reply | reply             (only `reply` if thinking was turned off)
+    thinking: <|channel|> "analysis" <|message|> thought <|end|> <|start|> "assistant"
+    reply: <|channel|> "final" <|message|> answer <|return|>
+
 `answer` is what the request asked for (a JSON schema, any JSON object, a regex, a choice, a lark
 grammar such as the tool-call one), or any text when only the budget constrains the answer. With
 a budget, llguidance ends the `thought` rule after N tokens, so the next token can only be
@@ -14,6 +21,7 @@ import json
 import re
 from typing import Any
 
+from tinyllm.text import harmony
 from tinyllm.text.json_schema import closed_objects
 from tinyllm.text.reasoning import ReasoningFormat, ThinkingState
 from tinyllm.text.tokenizer import Tokenizer
@@ -93,4 +101,42 @@ def thinking_grammar(
         f"TINYLLM_THOUGHT: /(?s:.*)/ & ~/(?s:.*){not_end}(?s:.*)/",
         *rules,
     ]
+    return "\n".join(lines) + "\n"
+
+
+def harmony_grammar(
+    tokenizer: Tokenizer,
+    closed: bool,
+    answer: dict[str, Any] | None,
+    budget: int | None,
+    messages: bool,
+) -> str:
+    """The harmony format's grammar: an analysis message (unless `closed`: thinking is off) of
+    at most `budget` tokens, then the answer; `answer` as for `thinking_grammar`; `messages`:
+    it is a grammar of whole messages already (the tool grammar), else it is the final
+    message's body."""
+    fields = dict(answer or {})
+    if "json" in fields:
+        fields["json_schema"] = fields.pop("json")
+    options, rules = answer_rules(**fields)
+
+    def t(tag: str) -> str:
+        return tag_lark(tokenizer, tag)
+
+    reply = _ANSWER if messages else "tinyllm_reply"
+    limit = "" if budget is None else f"[max_tokens={budget}]"
+    lines = [
+        options,
+        f"start: {reply}" if closed else f"start: tinyllm_thinking {reply} | {reply}",
+        f'tinyllm_thinking: {t(harmony.CHANNEL)} "analysis" {t(harmony.MESSAGE)} '
+        f'tinyllm_thought {t(harmony.END)} {t(harmony.START)} "assistant"',
+        f"tinyllm_thought{limit}: TINYLLM_THOUGHT",
+        "TINYLLM_THOUGHT: /(?s:.*)/",
+        *rules,
+    ]
+    if not messages:
+        lines.append(
+            f'tinyllm_reply: {t(harmony.CHANNEL)} "final" {t(harmony.MESSAGE)} {_ANSWER} '
+            f"{t(harmony.RETURN)}"
+        )
     return "\n".join(lines) + "\n"

@@ -15,6 +15,7 @@ from typing import Any
 import jinja2
 from jinja2 import meta
 
+from tinyllm.text.harmony import is_harmony
 from tinyllm.text.tool_formats import GENERIC, ToolFormat
 
 _TOOLS_PREAMBLE = (
@@ -47,9 +48,16 @@ def template_inputs(
     """The messages and extra variables to render `template` with; `fmt`: how calls in the
     history are written where the template does not render them."""
     messages = [_with_dict_arguments(m) for m in messages]
+    if is_harmony(template):  # gpt-oss's template reads an earlier answer's `thinking`
+        messages = [_with_thinking(m) for m in messages]
     if template_reads_tools(template):
         return messages, ({"tools": tools} if tools else {})
     return _generic(messages, tools, fmt), {}
+
+
+def _with_thinking(message: dict[str, Any]) -> dict[str, Any]:
+    reasoning = message.get("reasoning_content")
+    return {**message, "thinking": reasoning} if reasoning else message
 
 
 def _with_dict_arguments(message: dict[str, Any]) -> dict[str, Any]:

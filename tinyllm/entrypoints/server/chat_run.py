@@ -37,16 +37,17 @@ from tinyllm.entrypoints.server.protocol import (
     Usage,
 )
 from tinyllm.entrypoints.server.tools import ToolPlan, finish_reason, plan_tools
+from tinyllm.text import harmony
 from tinyllm.text.answer import Answer, AnswerDelta, AnswerStream
+from tinyllm.text.harmony import HarmonySplit
 from tinyllm.text.reasoning import (
     ReasoningFormat,
     ThinkingState,
     ThinkSplit,
     plan_thinking,
-    reasoning_tokens,
     template_kwargs,
 )
-from tinyllm.text.reasoning_grammar import thinking_grammar
+from tinyllm.text.reasoning_grammar import harmony_grammar, thinking_grammar
 from tinyllm.text.tool_calls import CallDelta
 
 log = logging.getLogger("tinyllm.server")
@@ -97,6 +98,7 @@ class ChatServing:
         self.default_max_tokens = llm.default_sampling.get("max_tokens")
         self.reasoning, self.reasoning_budget = llm.reasoning, llm.reasoning_budget
         self.tool_format = llm.tool_format
+        self.harmony = self.reasoning is not None and self.reasoning.harmony
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -135,6 +137,9 @@ class ChatServing:
             param,
             constraint,
         )
+        if self.harmony:
+            for c in choices:
+                c.params = harmony.keep_markers(c.params, self.tokenizer.token_to_id)
         return ChatRun(Generation(self.loop, request_id, [prompt], choices), tools, thinking)
 
     async def render(
@@ -149,7 +154,10 @@ class ChatServing:
         if tools.constraint is not None:
             constraint = Constraint(tools.constraint, "tools")
         kwargs = template_kwargs(
-            self.tokenizer.chat_template, req.enable_thinking, req.chat_template_kwargs
+            self.tokenizer.chat_template,
+            req.enable_thinking,
+            req.chat_template_kwargs,
+            req.reasoning_effort,
         )
         try:
             self.tokenizer.check_template_kwargs(kwargs)
@@ -184,7 +192,10 @@ class ChatServing:
             budget = self.reasoning_budget
         end_id = self.tokenizer.token_to_id(fmt.end)
         thinking = Thinking(fmt, state, req.include_reasoning, end_id)
-        if state == "closed" or (constraint is None and budget is None):
+        tools = constraint is not None and constraint.where == "tools"
+        if (constraint is None and budget is None) or (
+            state == "closed" and (tools or not fmt.harmony)
+        ):
             return thinking, constraint, prompt
         answer = None
         where = "thinking_token_budget"
@@ -193,7 +204,11 @@ class ChatServing:
             fields = dataclasses.asdict(constraint.params).items()
             answer = {k: v for k, v in fields if v not in (None, False)}
         try:
-            grammar = thinking_grammar(self.tokenizer, fmt, state, answer, budget)
+            if fmt.harmony:  # the answer is in messages of its own, the tool grammar's or one
+                closed = state == "closed"
+                grammar = harmony_grammar(self.tokenizer, closed, answer, budget, tools)
+            else:
+                grammar = thinking_grammar(self.tokenizer, fmt, state, answer, budget)
         except ValueError as e:  # a schema given as text that is not JSON
             raise APIError(400, f"{where}: {e}", param=where.split(".")[0]) from e
         return thinking, Constraint(StructuredOutputsParams(grammar=grammar), where), prompt
@@ -207,10 +222,7 @@ class ChatRun:
         self.gen, self.request_id = gen, gen.request_id
         self.choices: list[Choice] = gen.choices
         self.thinking = thinking
-        self._splits = {
-            c.index: ThinkSplit(thinking.fmt, thinking.state) if thinking else None
-            for c in self.choices
-        }
+        self._splits = {c.index: _split(thinking) for c in self.choices}
         self._streams = {
             c.index: AnswerStream(self._splits[c.index], tools.format if tools.parse else None)
             for c in self.choices
@@ -275,11 +287,21 @@ class ChatRun:
         if self.thinking is not None:
             results, end_id = self.gen.results, self.thinking.end_id
             thought = sum(
-                reasoning_tokens(split, results[i].token_ids, end_id)
+                split.reasoning_tokens(results[i].token_ids, end_id)
                 for i, split in self._splits.items()
+                if split is not None
             )
             usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=thought)
         return usage
 
     def close(self) -> None:
         self.gen.close()
+
+
+def _split(thinking: Thinking | None) -> ThinkSplit | HarmonySplit | None:
+    """An answer's splitter into reasoning and the rest."""
+    if thinking is None:
+        return None
+    if thinking.fmt.harmony:
+        return HarmonySplit()
+    return ThinkSplit(thinking.fmt, thinking.state)

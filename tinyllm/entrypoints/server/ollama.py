@@ -175,8 +175,10 @@ class OllamaServing:
             return {}
         if think and not self.model.thinks:
             raise APIError(400, f'"{self.model.name}" does not support thinking')
-        # The chat path maps this onto the template's switch (Qwen3's enable_thinking).
-        return {"enable_thinking": bool(think)}
+        # The chat path maps this onto the template's switch (Qwen3's enable_thinking); a
+        # level (what Ollama takes for gpt-oss) is the reasoning effort too.
+        effort = {"reasoning_effort": think} if isinstance(think, str) else {}
+        return {"enable_thinking": bool(think), **effort}
 
     def _request(self, body: ChatRequest | GenerateRequest, extra: dict) -> dict[str, Any]:
         """The fields every internal request shares, from the body's format, options, think."""

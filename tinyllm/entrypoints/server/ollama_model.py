@@ -13,6 +13,7 @@ from tinyllm.engine.sampling_params import SamplingParams
 from tinyllm.entrypoints.llm import LLM
 from tinyllm.entrypoints.server.errors import APIError
 from tinyllm.model.quant import QuantLinear
+from tinyllm.text.harmony import is_harmony
 
 _FAR_FUTURE = "2318-01-01T00:00:00Z"  # expires_at: the one model is never unloaded
 
@@ -29,8 +30,8 @@ class OllamaModel:
         self.max_model_len = llm.engine.max_model_len
         tokenizer = llm.tokenizer  # None with dummy weights
         self.template = (tokenizer.chat_template if tokenizer is not None else None) or ""
-        # A thinking model's template writes (or prefills) the <think> tag.
-        self.thinks = "<think>" in self.template
+        # A thinking model's template writes (or prefills) the <think> tag, or is gpt-oss's.
+        self.thinks = "<think>" in self.template or is_harmony(self.template)
 
     @functools.cached_property
     def info(self) -> dict[str, Any]:

@@ -186,6 +186,9 @@ class ChatCompletionRequest(SamplingRequest):
     # `think`, Anthropic's `thinking` and Responses' `reasoning.effort` become. None: the model's
     # default.
     enable_thinking: bool | None = None
+    # How hard to think (OpenAI's field), for a template that reads it (gpt-oss's: low,
+    # medium or high); Responses' `reasoning.effort` becomes it too.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     # The most tokens a thinking model may think before it answers (vLLM's name); None: the
     # server's --reasoning-budget.
     thinking_token_budget: int | None = Field(None, ge=0)

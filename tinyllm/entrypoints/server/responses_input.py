@@ -218,6 +218,7 @@ def chat_body(
         "top_p": req.top_p,
         "user": req.user,
         "enable_thinking": _thinking(req.reasoning),
+        "reasoning_effort": (req.reasoning or {}).get("effort"),
     }
     return {k: v for k, v in body.items() if v is not None}
 

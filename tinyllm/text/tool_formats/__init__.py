@@ -7,13 +7,14 @@ from tinyllm.text.tool_formats.base import ToolFormat
 from tinyllm.text.tool_formats.hermes import HERMES
 from tinyllm.text.tool_formats.llama3_json import LLAMA3_JSON
 from tinyllm.text.tool_formats.mistral import MISTRAL_V3, MISTRAL_V11
+from tinyllm.text.tool_formats.openai import HARMONY
 from tinyllm.text.tool_parsers import TOOL_CALL_PARSERS
 
 # Most specific first: a Hermes template on a Llama base holds Llama's tokens too.
-_DETECTED = (MISTRAL_V11, MISTRAL_V3, HERMES, LLAMA3_JSON)
+_DETECTED = (HARMONY, MISTRAL_V11, MISTRAL_V3, HERMES, LLAMA3_JSON)
 GENERIC = HERMES
 
-__all__ = ["GENERIC", "TOOL_CALL_PARSERS", "ToolFormat", "tool_format"]
+__all__ = ["GENERIC", "HARMONY", "TOOL_CALL_PARSERS", "ToolFormat", "tool_format"]
 
 
 def tool_format(parser: str = "auto", template: str | None = None) -> ToolFormat:
@@ -28,4 +29,4 @@ def tool_format(parser: str = "auto", template: str | None = None) -> ToolFormat
         return found[0] if found else GENERIC
     if parser == "mistral":
         return MISTRAL_V11 if template and MISTRAL_V11.detect(template) else MISTRAL_V3
-    return {"hermes": HERMES, "llama3_json": LLAMA3_JSON}[parser]
+    return {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "openai": HARMONY}[parser]
