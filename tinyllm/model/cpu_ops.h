@@ -20,6 +20,13 @@ inline void check_array(const char* op, const char* name, const at::Tensor& t,
               t.scalar_type());
 }
 
+// An int8 K/V cache row (kv_cache_dtype="int8"): a token's head as head_dim int8 codes, then the
+// fp32 scale they are multiplied by, its 4 bytes. Any other cache's row is head_dim values.
+constexpr int64_t kScaleBytes = sizeof(float);
+inline int64_t cache_head_dim(const at::Tensor& cache) {
+  return cache.size(-1) - (cache.scalar_type() == at::kChar ? kScaleBytes : 0);
+}
+
 // layer_ops.cpp
 void rms_norm(const at::Tensor& out, const at::Tensor& x, const std::optional<at::Tensor>& residual,
               const at::Tensor& weight, double eps);
