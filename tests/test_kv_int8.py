@@ -38,17 +38,25 @@ def int8_step(step: dict, dtype=torch.float32):
     return (q, k, v, quantize(k_cache), quantize(v_cache), meta), unused
 
 
-def test_a_row_keeps_its_largest_value_and_the_rest_within_half_a_step():
-    x = torch.randn(50, 3, 64) * torch.logspace(-3, 3, 50)[:, None, None]
-    x[7, 1] = 0  # a row of zeros: scale 0, codes 0
+@pytest.mark.parametrize("D", [6, 64, 80])
+def test_each_group_keeps_its_largest_value_and_the_rest_within_half_a_step(D):
+    """Groups of 32 values, the last one shorter where D is not a multiple (6, 80)."""
+    x = torch.randn(50, 3, D) * torch.logspace(-3, 3, 50)[:, None, None]
+    x[7, 1] = 0  # a row of zeros: scales 0, codes 0
+    x[8, 2, -1] = 1e4  # one large value coarsens its own group only
     rows = quantize(x)
-    assert rows.shape == (50, 3, 68) and rows.dtype == torch.int8
+    assert rows.shape == (50, 3, D + 2 * math.ceil(D / 32)) and rows.dtype == torch.int8
     back = dequantize(rows, torch.float32)
-    step = x.abs().amax(-1, keepdim=True) / 127
-    assert ((back - x).abs() <= step / 2 * (1 + 1e-6)).all()
-    assert torch.equal(back[7, 1], torch.zeros(64))
-    top = x.abs().argmax(-1, keepdim=True)
-    torch.testing.assert_close(back.gather(-1, top), x.gather(-1, top), rtol=1e-6, atol=0)
+    assert torch.equal(back[7, 1], torch.zeros(D))
+    for g in range(0, D, 32):
+        xg, bg = x[..., g : g + 32], back[..., g : g + 32]
+        amax = xg.abs().amax(-1, keepdim=True)
+        step = (amax / 127).to(torch.bfloat16).float()
+        # A bf16 scale rounded down can clip the largest code: within a step of it still.
+        assert ((bg - xg).abs() <= torch.maximum(step / 2, amax - 127 * step) * 1.0001).all()
+    if D > 32:
+        first = back[8, 2, :32] - x[8, 2, :32]
+        assert first.abs().max() <= x[8, 2, :32].abs().max() / 254 * 1.01
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

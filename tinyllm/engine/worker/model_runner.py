@@ -2,8 +2,8 @@
 
 The runner owns the K/V tensors: per layer a pool of `num_blocks + 1` blocks, token-major
 (block, offset, kv head, dim), the last block scratch (padded block-table entries point there),
-of the model's dtype or, with kv_cache_dtype="int8", int8 rows of dim + 4 (codes and a scale,
-model/attention/int8_cache.py).
+of the model's dtype or, with kv_cache_dtype="int8", int8 rows of codes and their scales
+(model/attention/int8_cache.py).
 The pool is allocated, not zeroed: on the CPU a large allocation is a fresh anonymous mapping
 whose pages take no memory until a block is written, so resident memory follows the blocks in
 use, not the pool's size. An unwritten slot holds any bits (NaN included), as does a slot

@@ -31,7 +31,7 @@ class AttentionBackend:
 
     Subclasses implement `attend`. Shapes: q (N, Hq, D), k/v (N, Hkv, D) with Hq a multiple of
     Hkv (grouped-query attention); caches (num_blocks + 1, block_size, Hkv, D) of q's dtype, or
-    int8 ones of width D + 4 (attention/int8_cache.py). `window`: a
+    int8 ones of codes and scales (attention/int8_cache.py). `window`: a
     layer's sliding window (ModelConfig.sliding_window), None for the whole context. `softcap`:
     each scaled score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2's
     attn_logit_softcapping), None: as it is. `sinks`: (Hq,) a logit per query head that joins

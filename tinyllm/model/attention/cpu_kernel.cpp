@@ -135,37 +135,46 @@ constexpr int64_t padded_dim(int64_t D) {
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
-// A cache row's D values in fp32: fp32 or bf16 as they are; int8 codes times the row's scale
-// (the kScaleBytes after its codes, cpu_ops.h).
+// A cache row's D values in fp32: fp32 or bf16 as they are; int8 codes times their group's
+// scale (cpu_ops.h's layout: the bf16 scales after the codes).
 template <typename C>
 inline void to_floats(const C* x, float* out, int64_t D) {
   for (int64_t d = 0; d < D; ++d) out[d] = to_float(x[d]);
 }
 inline void to_floats(const int8_t* x, float* out, int64_t D) {
-  float scale;
-  std::memcpy(&scale, x + D, sizeof scale);
-  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<float>(x[d]) * scale;
+  for (int64_t g = 0, d0 = 0; d0 < D; ++g, d0 += tinyllm::kGroup) {
+    c10::BFloat16 scale;
+    std::memcpy(&scale, x + D + g * tinyllm::kScaleBytes, sizeof scale);
+    const float s = static_cast<float>(scale);
+    const int64_t end = std::min(D, d0 + tinyllm::kGroup);
+    for (int64_t d = d0; d < end; ++d) out[d] = static_cast<float>(x[d]) * s;
+  }
 }
 
-// A token's head row of D values as int8 codes and their scale: symmetric, the row's largest
-// magnitude over 127, each value divided by it and rounded to the nearest (ties to even). The row
-// alone sets both, so a token's stored codes depend on nothing else in its block or step.
+// A token's head row of D values as int8 codes and their scales: symmetric, each group of kGroup
+// values its own scale, the group's largest magnitude over 127 rounded to bf16, each value
+// divided by it and rounded to the nearest code (ties to even). The row alone sets both, so a
+// token's stored codes depend on nothing else in its block or step.
 // attention/int8_cache.py's quantize is the same arithmetic, bit for bit.
 template <typename T>
 void quantize_row(const T* x, int8_t* out, int64_t D) {
-  float amax = 0.f;
-  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::abs(to_float(x[d])));
-  const float scale = amax / 127.f;
-  for (int64_t d = 0; d < D; ++d) {
-    const float code = scale > 0.f ? std::nearbyint(to_float(x[d]) / scale) : 0.f;
-    out[d] = static_cast<int8_t>(std::clamp(code, -127.f, 127.f));
+  for (int64_t g = 0, d0 = 0; d0 < D; ++g, d0 += tinyllm::kGroup) {
+    const int64_t end = std::min(D, d0 + tinyllm::kGroup);
+    float amax = 0.f;
+    for (int64_t d = d0; d < end; ++d) amax = std::max(amax, std::abs(to_float(x[d])));
+    const c10::BFloat16 scale(amax / 127.f);
+    const float s = static_cast<float>(scale);
+    for (int64_t d = d0; d < end; ++d) {
+      const float code = s > 0.f ? std::nearbyint(to_float(x[d]) / s) : 0.f;
+      out[d] = static_cast<int8_t>(std::clamp(code, -127.f, 127.f));
+    }
+    std::memcpy(out + D + g * tinyllm::kScaleBytes, &scale, sizeof scale);
   }
-  std::memcpy(out + D, &scale, sizeof scale);
 }
 
 // What every item reads. kD: the head dim when it is known at compile time (loops the compiler
 // unrolls), else 0 and loops run to the runtime D. T: q's and out's dtype; C: the caches' (T, or
-// int8_t for an int8 cache, whose rows are row_len = D + kScaleBytes long).
+// int8_t for an int8 cache, whose rows, codes and scales, are row_len = int8_row(D) long).
 template <int64_t kD, typename T, typename C>
 struct Step {
   int64_t Hq, D, bs, Hkv, G, max_blocks, q_row, row_len;  // q_row: q's stride between tokens
@@ -484,14 +493,14 @@ void check_step(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
   const auto cache = k_cache.scalar_type() == at::kChar ? at::kChar : dtype;  // int8, or q's
   check_array("paged_attention", "k_cache", k_cache, cache);
   check_array("paged_attention", "v_cache", v_cache, cache);
-  const int64_t row = q.size(2) + (cache == at::kChar ? tinyllm::kScaleBytes : 0);
+  const int64_t row = cache == at::kChar ? tinyllm::int8_row(q.size(2)) : q.size(2);
   TORCH_CHECK(out.sizes() == q.sizes(), "paged_attention: out ", out.sizes(), " must be q's ",
               q.sizes());
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(1) > 0 && k_cache.size(2) > 0 &&
                   k_cache.size(3) == row,
               "paged_attention: k_cache ", k_cache.sizes(), " must be (blocks, block_size >= 1, "
-              "kv_heads >= 1, ", row, ": q's head_dim", cache == at::kChar ? " + its scale" : "",
-              ")");
+              "kv_heads >= 1, ", row, ": q's head_dim",
+              cache == at::kChar ? " + its scales" : "", ")");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "paged_attention: v_cache ", v_cache.sizes(),
               " must be k_cache's ", k_cache.sizes());
   const int64_t Hkv = k_cache.size(2);
