@@ -21,9 +21,9 @@ inline void check_array(const char* op, const char* name, const at::Tensor& t,
 }
 
 // An int8 K/V cache row (kv_cache_dtype="int8"): a token's head as head_dim int8 codes, then one
-// bf16 scale (kScaleBytes) per kGroup of them, the last group possibly shorter. Any other cache's
+// fp32 scale (kScaleBytes) per kGroup of them, the last group possibly shorter. Any other cache's
 // row is head_dim values. attention/int8_cache.py has the same layout.
-constexpr int64_t kGroup = 32, kScaleBytes = 2;
+constexpr int64_t kGroup = 32, kScaleBytes = sizeof(float);
 inline int64_t int8_groups(int64_t head_dim) { return (head_dim + kGroup - 1) / kGroup; }
 inline int64_t int8_row(int64_t head_dim) { return head_dim + kScaleBytes * int8_groups(head_dim); }
 // The head_dim of a cache row (row grows strictly with head_dim, so this inverts it).

@@ -136,24 +136,23 @@ inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
 // A cache row's D values in fp32: fp32 or bf16 as they are; int8 codes times their group's
-// scale (cpu_ops.h's layout: the bf16 scales after the codes).
+// scale (cpu_ops.h's layout: the fp32 scales after the codes).
 template <typename C>
 inline void to_floats(const C* x, float* out, int64_t D) {
   for (int64_t d = 0; d < D; ++d) out[d] = to_float(x[d]);
 }
 inline void to_floats(const int8_t* x, float* out, int64_t D) {
   for (int64_t g = 0, d0 = 0; d0 < D; ++g, d0 += tinyllm::kGroup) {
-    c10::BFloat16 scale;
-    std::memcpy(&scale, x + D + g * tinyllm::kScaleBytes, sizeof scale);
-    const float s = static_cast<float>(scale);
+    float s;
+    std::memcpy(&s, x + D + g * tinyllm::kScaleBytes, sizeof s);
     const int64_t end = std::min(D, d0 + tinyllm::kGroup);
     for (int64_t d = d0; d < end; ++d) out[d] = static_cast<float>(x[d]) * s;
   }
 }
 
 // A token's head row of D values as int8 codes and their scales: symmetric, each group of kGroup
-// values its own scale, the group's largest magnitude over 127 rounded to bf16, each value
-// divided by it and rounded to the nearest code (ties to even). The row alone sets both, so a
+// values its own scale, the group's largest magnitude over 127, each value divided by it and
+// rounded to the nearest code (ties to even). The row alone sets both, so a
 // token's stored codes depend on nothing else in its block or step.
 // attention/int8_cache.py's quantize is the same arithmetic, bit for bit.
 template <typename T>
@@ -162,13 +161,12 @@ void quantize_row(const T* x, int8_t* out, int64_t D) {
     const int64_t end = std::min(D, d0 + tinyllm::kGroup);
     float amax = 0.f;
     for (int64_t d = d0; d < end; ++d) amax = std::max(amax, std::abs(to_float(x[d])));
-    const c10::BFloat16 scale(amax / 127.f);
-    const float s = static_cast<float>(scale);
+    const float s = amax / 127.f;
     for (int64_t d = d0; d < end; ++d) {
       const float code = s > 0.f ? std::nearbyint(to_float(x[d]) / s) : 0.f;
       out[d] = static_cast<int8_t>(std::clamp(code, -127.f, 127.f));
     }
-    std::memcpy(out + D + g * tinyllm::kScaleBytes, &scale, sizeof scale);
+    std::memcpy(out + D + g * tinyllm::kScaleBytes, &s, sizeof s);
   }
 }
 
