@@ -213,6 +213,15 @@ def test_the_same_memory_holds_about_twice_the_tokens_of_a_bf16_cache(default_gg
     assert k_cache.dtype == torch.int8 and k_cache.shape == (5, 16, c.num_kv_heads, 72)
 
 
+def test_the_kernel_refuses_an_int8_cache_of_another_width(backend):
+    """A 64-dim head's int8 row is 72 bytes (64 codes, 2 fp32 scales): 68 is refused, named."""
+    (q, k, v, k_cache, v_cache, meta), _ = int8_step(dict(rows=[(5, 5)], bs=4, Hq=2, Hkv=1, D=64,
+                                                           seed=0))  # fmt: skip
+    narrow = k_cache[..., :68].contiguous()
+    with pytest.raises(RuntimeError, match=r"must be .*72: q's head_dim 64 plus its int8 scales"):
+        backend.attend(q, k, v, narrow, narrow, meta, 0.125)
+
+
 def test_an_unknown_dtype_and_the_cuda_backend_are_refused(tiny):
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8': choose one of auto, int8"):
         EngineConfig(kv_cache_dtype="fp8")

@@ -86,8 +86,9 @@ class EngineConfig:
     block_size: int = option(16, "tokens per KV block")
     kv_cache_dtype: str = option(
         "auto",
-        "auto: K/V stored in the model's dtype; int8: int8 codes with a scale per token and "
-        "head (about half a bf16 cache's memory and reads; cpu and reference backends)",
+        "auto: K/V stored in the model's dtype; int8: int8 codes, an fp32 scale per 32 of a "
+        "token's head dims (0.56x a bf16 cache's memory and reads; cpu and reference "
+        "backends)",
         choices=KV_CACHE_DTYPES,
     )
     # Bytes of K and V, all layers; per rank under tensor parallelism (each holds its KV heads).

@@ -11,6 +11,7 @@ from tinyllm.engine.config import EngineConfig
 from tinyllm.engine.sched.kv_cache_manager import KVCacheManager
 from tinyllm.engine.worker.model_runner import kv_bytes_per_token
 from tinyllm.host.memory import available_bytes
+from tinyllm.model.attention.int8_cache import cache_dtype
 from tinyllm.model.llama import Transformer
 from tinyllm.model.quant import describe_weights
 
@@ -55,13 +56,13 @@ def build_kv_cache_manager(model: Transformer, cfg: EngineConfig, max_len: int) 
         )
     tokens = num_blocks * block_size
     log.info(
-        "%s %s KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB, limited by %s)",
+        "%s KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB of %s K/V, limited by %s)",
         cfg.kv_cache,
-        cfg.kv_cache_dtype,
         num_blocks,
         block_size,
         tokens,
         tokens * per_token / 2**20,
+        str(cache_dtype(cfg.kv_cache_dtype, model.dtype)).removeprefix("torch."),
         reason,
     )
     if tokens < max_len:

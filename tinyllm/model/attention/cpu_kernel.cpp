@@ -497,8 +497,8 @@ void check_step(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(1) > 0 && k_cache.size(2) > 0 &&
                   k_cache.size(3) == row,
               "paged_attention: k_cache ", k_cache.sizes(), " must be (blocks, block_size >= 1, "
-              "kv_heads >= 1, ", row, ": q's head_dim",
-              cache == at::kChar ? " + its scales" : "", ")");
+              "kv_heads >= 1, ", row, ": q's head_dim ", q.size(2),
+              cache == at::kChar ? " plus its int8 scales" : "", ")");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "paged_attention: v_cache ", v_cache.sizes(),
               " must be k_cache's ", k_cache.sizes());
   const int64_t Hkv = k_cache.size(2);
