@@ -107,17 +107,22 @@ def before_windows(meta: AttentionMetadata, bs: int, window: int | None) -> torc
 @given(step=steps(), window=WINDOWS, garbage=st.sampled_from([float("nan"), float("inf"), 1e30]))
 def test_matches_reference_and_ignores_unused_slots(backend, step, window, garbage):
     args, unused = build(**step)
+    assert_matches_reference(backend, args, unused, step, window, garbage, -garbage)
+
+
+def assert_matches_reference(backend, args, unused, step, window, k_garbage, v_garbage):
+    """The kernel's output is the reference's within fp32 rounding; and whatever the scratch
+    block, spare blocks, slots past each row's length and slots before every query's window
+    hold (set to the garbage values), the same, bit for bit: the kernel skips what no query
+    sees, and masks it inside a tile it reads."""
     scale = step["D"] ** -0.5
     out = backend.attend(*args, scale=scale, window=window)
     expected = REFERENCE.attend(*args, scale=scale, window=window)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    # Whatever the scratch block, spare blocks, slots past each row's length and slots before
-    # every query's window hold, the output is the same, bit for bit: the kernel skips what
-    # no query sees, and masks it inside a tile it reads.
     q, k, v, k_cache, v_cache, meta = args
     unused |= before_windows(meta, step["bs"], window)
-    k_cache[unused] = garbage
-    v_cache[unused] = -garbage
+    k_cache[unused] = k_garbage
+    v_cache[unused] = v_garbage
     assert torch.equal(backend.attend(q, k, v, k_cache, v_cache, meta, scale, window), out)
 
 

@@ -91,7 +91,11 @@ class LLMEngine:
         else:
             self.limits = PromptLimits(max_model_len, vocab_size)
         runner_spec = RunnerSpec(
-            self.kv.num_blocks, self.kv.block_size, config.attention_backend, config.layer_executor
+            self.kv.num_blocks,
+            self.kv.block_size,
+            config.attention_backend,
+            config.layer_executor,
+            config.kv_cache_dtype,
         )
         self.executor = Executor(model, runner_spec, workers)
         self.output_processor = OutputProcessor(tokenizer)

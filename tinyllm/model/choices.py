@@ -9,3 +9,5 @@ LAYER_EXECUTORS = ("auto", "fused", "modules")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # Linear layers' weight formats (model/precision.py).
 QUANTIZATIONS = ("none", "int8", "int4")
+# K/V cache storage (model/attention/int8_cache.py): auto, the model's dtype; int8, codes.
+KV_CACHE_DTYPES = ("auto", "int8")

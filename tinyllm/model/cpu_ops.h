@@ -20,6 +20,18 @@ inline void check_array(const char* op, const char* name, const at::Tensor& t,
               t.scalar_type());
 }
 
+// An int8 K/V cache row (kv_cache_dtype="int8"): a token's head as head_dim int8 codes, then one
+// fp32 scale (kScaleBytes) per kGroup of them, the last group possibly shorter. Any other cache's
+// row is head_dim values. attention/int8_cache.py has the same layout.
+constexpr int64_t kGroup = 32, kScaleBytes = sizeof(float);
+inline int64_t int8_groups(int64_t head_dim) { return (head_dim + kGroup - 1) / kGroup; }
+inline int64_t int8_row(int64_t head_dim) { return head_dim + kScaleBytes * int8_groups(head_dim); }
+// The head_dim of a cache row (row grows strictly with head_dim, so this inverts it).
+inline int64_t cache_head_dim(const at::Tensor& cache) {
+  const int64_t row = cache.size(-1), per = kGroup + kScaleBytes;
+  return cache.scalar_type() == at::kChar ? row - kScaleBytes * ((row + per - 1) / per) : row;
+}
+
 // layer_ops.cpp
 void rms_norm(const at::Tensor& out, const at::Tensor& x, const std::optional<at::Tensor>& residual,
               const at::Tensor& weight, double eps);

@@ -72,7 +72,7 @@ at::Tensor decoder_attention(const std::optional<at::Tensor>& hidden, const at::
   const at::Tensor &input_norm = weights[0], &qkv_w = weights[1], &o_w = weights[2];
   // The ops below check the rest: each weight against its input, the K/V heads against the
   // caches, the step's metadata against q's tokens. A step of no tokens does no work in them.
-  const int64_t n = residual.size(0), hidden_size = residual.size(1), dim = k_cache.size(3);
+  const int64_t n = residual.size(0), hidden_size = residual.size(1), dim = tinyllm::cache_head_dim(k_cache);
 
   at::Tensor x = at::empty_like(residual);
   if (hidden && hidden_norm) {

@@ -11,6 +11,7 @@ from tinyllm.engine.config import EngineConfig
 from tinyllm.engine.sched.kv_cache_manager import KVCacheManager
 from tinyllm.engine.worker.model_runner import kv_bytes_per_token
 from tinyllm.host.memory import available_bytes
+from tinyllm.model.attention.int8_cache import cache_dtype
 from tinyllm.model.llama import Transformer
 from tinyllm.model.quant import describe_weights
 
@@ -25,7 +26,7 @@ def build_kv_cache_manager(model: Transformer, cfg: EngineConfig, max_len: int) 
     available on the device. The pool's pages are touched only as blocks are written, so a
     large pool costs nothing up front, but one larger than the machine can back would fail
     as it fills; the other half is left for activations and whatever else the machine runs."""
-    per_token = kv_bytes_per_token(model)
+    per_token = kv_bytes_per_token(model, cfg.kv_cache_dtype)
     block_size = max_len if cfg.kv_cache == "slot" else cfg.block_size
     unit = per_token * block_size
     if cfg.num_blocks is None and cfg.kv_cache_memory < unit:
@@ -55,12 +56,13 @@ def build_kv_cache_manager(model: Transformer, cfg: EngineConfig, max_len: int) 
         )
     tokens = num_blocks * block_size
     log.info(
-        "%s KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB, limited by %s)",
+        "%s KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB of %s K/V, limited by %s)",
         cfg.kv_cache,
         num_blocks,
         block_size,
         tokens,
         tokens * per_token / 2**20,
+        str(cache_dtype(cfg.kv_cache_dtype, model.dtype)).removeprefix("torch."),
         reason,
     )
     if tokens < max_len:

@@ -1,7 +1,9 @@
 """Turns the scheduler's output into one flat batch, runs the model once, samples.
 
 The runner owns the K/V tensors: per layer a pool of `num_blocks + 1` blocks, token-major
-(block, offset, kv head, dim), the last block scratch (padded block-table entries point there).
+(block, offset, kv head, dim), the last block scratch (padded block-table entries point there),
+of the model's dtype or, with kv_cache_dtype="int8", int8 rows of codes and their scales
+(model/attention/int8_cache.py).
 The pool is allocated, not zeroed: on the CPU a large allocation is a fresh anonymous mapping
 whose pages take no memory until a block is written, so resident memory follows the blocks in
 use, not the pool's size. An unwritten slot holds any bits (NaN included), as does a slot
@@ -27,6 +29,7 @@ from tinyllm.engine.step_message import ModelRunnerOutput, SchedulerOutput
 from tinyllm.engine.worker.logprobs import token_logprobs
 from tinyllm.engine.worker.sampler import Sampler
 from tinyllm.model.attention import AttentionBackend, AttentionMetadata, ForwardContext, get_backend
+from tinyllm.model.attention.int8_cache import cache_dtype, row_width
 from tinyllm.model.layer_executor import choose_layer_executor
 from tinyllm.model.llama import Transformer
 
@@ -79,17 +82,25 @@ class RunnerSpec:
     block_size: int
     attention_backend: str
     layer_executor: str
+    kv_cache_dtype: str
 
     def build(self, model: Transformer, samples: bool = True) -> "ModelRunner":
         backend = get_backend(self.attention_backend, model.device, model.config.sliding_window)
         return ModelRunner(
-            model, self.num_blocks, self.block_size, backend, self.layer_executor, samples
+            model,
+            self.num_blocks,
+            self.block_size,
+            backend,
+            self.layer_executor,
+            samples,
+            self.kv_cache_dtype,
         )
 
 
-def kv_bytes_per_token(model: Transformer) -> int:
-    c = model.config
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+def kv_bytes_per_token(model: Transformer, kv_cache_dtype: str = "auto") -> int:
+    """K and V of one token, all layers: an int8 cache's codes and scales included."""
+    c, dtype = model.config, cache_dtype(kv_cache_dtype, model.dtype)
+    return 2 * c.num_layers * c.num_kv_heads * row_width(c.head_dim, dtype) * dtype.itemsize
 
 
 class ModelRunner:
@@ -101,22 +112,30 @@ class ModelRunner:
         backend: AttentionBackend,
         layer_executor: str = "auto",
         samples: bool = True,
+        kv_cache_dtype: str = "auto",
     ):
         """`layer_executor`: how the model's layers run (tinyllm.model.layer_executor), chosen
         here and set on the model.
         `samples`: False on a tensor-parallel rank other than 0, which runs the layers with the
-        others but leaves the LM head and sampling to rank 0."""
+        others but leaves the LM head and sampling to rank 0.
+        `kv_cache_dtype`: "auto" (the model's dtype) or "int8"."""
+        dtype = cache_dtype(kv_cache_dtype, model.dtype)
+        if dtype == torch.int8 and not backend.supports_int8_cache:
+            raise ValueError(
+                f"kv_cache_dtype='int8': the {backend.name} attention backend reads caches of the "
+                "model's dtype only; use attention_backend='reference' or kv_cache_dtype='auto'"
+            )
         self.model, self.backend, self.block_size = model, backend, block_size
         self.samples = samples
         model.set_layer_executor(choose_layer_executor(layer_executor, model, backend))
         c = model.config
         self.device = model.device
         self.scratch = num_blocks
-        shape = (num_blocks + 1, block_size, c.num_kv_heads, c.head_dim)
+        shape = (num_blocks + 1, block_size, c.num_kv_heads, row_width(c.head_dim, dtype))
         self.kv_caches = [
             (
-                torch.empty(shape, dtype=model.dtype, device=self.device),
-                torch.empty(shape, dtype=model.dtype, device=self.device),
+                torch.empty(shape, dtype=dtype, device=self.device),
+                torch.empty(shape, dtype=dtype, device=self.device),
             )
             for _ in range(c.num_layers)
         ]

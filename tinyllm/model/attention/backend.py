@@ -2,7 +2,10 @@
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
+
+from tinyllm.model.attention.int8_cache import quantize
 
 
 @dataclass
@@ -27,7 +30,8 @@ class AttentionBackend:
     """Writes the step's new K/V into the cache (`write`), then attends (`attend`).
 
     Subclasses implement `attend`. Shapes: q (N, Hq, D), k/v (N, Hkv, D) with Hq a multiple of
-    Hkv (grouped-query attention); caches (num_blocks + 1, block_size, Hkv, D). `window`: a
+    Hkv (grouped-query attention); caches (num_blocks + 1, block_size, Hkv, D) of q's dtype, or
+    int8 ones of codes and scales (attention/int8_cache.py). `window`: a
     layer's sliding window (ModelConfig.sliding_window), None for the whole context. `softcap`:
     each scaled score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2's
     attn_logit_softcapping), None: as it is. `sinks`: (Hq,) a logit per query head that joins
@@ -35,6 +39,7 @@ class AttentionBackend:
 
     name = "base"
     supports_sliding_window = True  # whether `attend` honours a window (get_backend checks)
+    supports_int8_cache = True  # whether it reads int8 caches (the model runner checks)
 
     def forward(
         self,
@@ -54,7 +59,10 @@ class AttentionBackend:
 
     @staticmethod
     def write(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata):
-        """Store each new token's K and V at its slot: one index_copy_ per tensor."""
+        """Store each new token's K and V at its slot (quantized first for an int8 cache): one
+        index_copy_ per tensor."""
+        if k_cache.dtype == torch.int8:
+            k, v = quantize(k), quantize(v)
         H, D = k_cache.shape[2:]
         k_cache.view(-1, H, D).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, H, D).index_copy_(0, meta.slot_mapping, v)

@@ -34,8 +34,8 @@ def _kernel() -> Callable[..., None]:
 
 
 class CPUBackend(AttentionBackend):
-    """Every row, decode and prefill alike, in the kernel, for fp32 and bf16 (q and both caches
-    of one dtype); anything else goes to the reference backend. On those dtypes the layers
+    """Every row, decode and prefill alike, in the kernel, for fp32 and bf16 (both caches of q's
+    dtype, or int8); anything else goes to the reference backend. On those dtypes the layers
     may run as C++ ops (model/decoder_layer.cpp) that call the same kernel and let it write the
     step's new K/V too: only with this backend (tinyllm.model.layer_executor), which is the
     kernel's entry for the modules' path and the tests."""
@@ -71,7 +71,8 @@ class CPUBackend(AttentionBackend):
 
 
 def _native(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
-    return q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in SUPPORTED
+    """q fp32 or bf16, the caches of its dtype or int8 (dequantized as the tiles are read)."""
+    return k_cache.dtype == v_cache.dtype in (q.dtype, torch.int8) and q.dtype in SUPPORTED
 
 
 def load_cpu_backend() -> tuple[AttentionBackend | None, str]:

@@ -135,12 +135,49 @@ constexpr int64_t padded_dim(int64_t D) {
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
+// A cache row's D values in fp32: fp32 or bf16 as they are; int8 codes times their group's
+// scale (cpu_ops.h's layout: the fp32 scales after the codes).
+template <typename C>
+inline void to_floats(const C* x, float* out, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) out[d] = to_float(x[d]);
+}
+inline void to_floats(const int8_t* x, float* out, int64_t D) {
+  for (int64_t g = 0, d0 = 0; d0 < D; ++g, d0 += tinyllm::kGroup) {
+    float s;
+    std::memcpy(&s, x + D + g * tinyllm::kScaleBytes, sizeof s);
+    const int64_t end = std::min(D, d0 + tinyllm::kGroup);
+    for (int64_t d = d0; d < end; ++d) out[d] = static_cast<float>(x[d]) * s;
+  }
+}
+
+// A token's head row of D values as int8 codes and their scales: symmetric, each group of kGroup
+// values its own scale, the group's largest magnitude over 127, each value divided by it and
+// rounded to the nearest code (ties to even). The row alone sets both, so a
+// token's stored codes depend on nothing else in its block or step.
+// attention/int8_cache.py's quantize is the same arithmetic, bit for bit.
+template <typename T>
+void quantize_row(const T* x, int8_t* out, int64_t D) {
+  for (int64_t g = 0, d0 = 0; d0 < D; ++g, d0 += tinyllm::kGroup) {
+    const int64_t end = std::min(D, d0 + tinyllm::kGroup);
+    float amax = 0.f;
+    for (int64_t d = d0; d < end; ++d) amax = std::max(amax, std::abs(to_float(x[d])));
+    const float s = amax / 127.f;
+    for (int64_t d = d0; d < end; ++d) {
+      const float code = s > 0.f ? std::nearbyint(to_float(x[d]) / s) : 0.f;
+      out[d] = static_cast<int8_t>(std::clamp(code, -127.f, 127.f));
+    }
+    std::memcpy(out + D + g * tinyllm::kScaleBytes, &s, sizeof s);
+  }
+}
+
 // What every item reads. kD: the head dim when it is known at compile time (loops the compiler
-// unrolls), else 0 and loops run to the runtime D.
-template <int64_t kD, typename T>
+// unrolls), else 0 and loops run to the runtime D. T: q's and out's dtype; C: the caches' (T, or
+// int8_t for an int8 cache, whose rows, codes and scales, are row_len = int8_row(D) long).
+template <int64_t kD, typename T, typename C>
 struct Step {
-  int64_t Hq, D, bs, Hkv, G, max_blocks, q_row;  // q_row: q's stride between tokens
-  const T *q, *k_cache, *v_cache;
+  int64_t Hq, D, bs, Hkv, G, max_blocks, q_row, row_len;  // q_row: q's stride between tokens
+  const T* q;
+  const C *k_cache, *v_cache;
   T* out;
   const int64_t *tables, *lens, *starts;
   float scale;
@@ -152,10 +189,10 @@ struct Step {
   int64_t padded() const { return padded_dim(head_dim()); }
 
   // Pointers to the K and V rows of KV head g for a row's tokens [k0, k0 + n).
-  void rows(int64_t row, int64_t g, int64_t k0, int64_t n, const T** k, const T** v) const {
+  void rows(int64_t row, int64_t g, int64_t k0, int64_t n, const C** k, const C** v) const {
     const int64_t* table = tables + row * max_blocks;
     for (int64_t t = 0, b = k0 / bs, off = k0 % bs; t < n; ++t) {
-      const int64_t at = ((table[b] * bs + off) * Hkv + g) * head_dim();
+      const int64_t at = ((table[b] * bs + off) * Hkv + g) * row_len;
       k[t] = k_cache + at;
       v[t] = v_cache + at;
       if (++off == bs) off = 0, ++b;
@@ -163,8 +200,8 @@ struct Step {
   }
 
   // Into L1, every cache line of n K and V rows.
-  void prefetch(const T* const* k, const T* const* v, int64_t n) const {
-    const int64_t bytes = head_dim() * static_cast<int64_t>(sizeof(T));
+  void prefetch(const C* const* k, const C* const* v, int64_t n) const {
+    const int64_t bytes = row_len * static_cast<int64_t>(sizeof(C));
     for (int64_t t = 0; t < n; ++t) {
       for (int64_t b = 0; b < bytes; b += 64) {
         __builtin_prefetch(reinterpret_cast<const char*>(k[t]) + b);
@@ -265,8 +302,8 @@ void attend_tile(const float* __restrict q, float* __restrict a, float& m, float
 // all of them; each query takes the tiles from its window's first key up to its own position.
 // fp32 rows of a whole number of kVecs vectors are read in place, any other rows through the
 // scratch: one way per dtype and head dim, so every query of a model reads its keys alike.
-template <int64_t kD, typename T>
-void attend_queries(const Step<kD, T>& c, int64_t row, int64_t tok, int64_t nq, int64_t g,
+template <int64_t kD, typename T, typename C>
+void attend_queries(const Step<kD, T, C>& c, int64_t row, int64_t tok, int64_t nq, int64_t g,
                     Scratch& w) {
   const int64_t n = c.starts[row + 1] - c.starts[row];
   const int64_t D = c.head_dim(), P = c.padded(), G = c.G;
@@ -284,10 +321,10 @@ void attend_queries(const Step<kD, T>& c, int64_t row, int64_t tok, int64_t nq, 
   std::fill(acc, acc + nq * G * P, 0.f);
   std::fill(w.m.begin(), w.m.begin() + nq * G, -kInf);
   std::fill(w.l.begin(), w.l.begin() + nq * G, 0.f);
-  const T* k_tiles[2][kTile];  // this tile's rows and the next one's
-  const T* v_tiles[2][kTile];
+  const C* k_tiles[2][kTile];  // this tile's rows and the next one's
+  const C* v_tiles[2][kTile];
   c.rows(row, g, k_begin, std::min(kTile, L - k_begin), k_tiles[0], v_tiles[0]);
-  constexpr bool kInPlace = std::is_same_v<T, float> && kD && kD == padded_dim(kD);
+  constexpr bool kInPlace = std::is_same_v<C, float> && kD && kD == padded_dim(kD);
   const float *k_rows[kTile], *v_rows[kTile];  // in place: this tile's rows
   if constexpr (kInPlace) {
     // Rows past a tile's cnt are read by its last score block (and masked): until a tile sets
@@ -307,8 +344,8 @@ void attend_queries(const Step<kD, T>& c, int64_t row, int64_t tok, int64_t nq, 
         k_rows[t] = k_tiles[i][t], v_rows[t] = v_tiles[i][t];
       } else {
         float *kf = w.k.data() + t * P, *vf = w.v.data() + t * P;
-        for (int64_t d = 0; d < D; ++d) kf[d] = to_float(k_tiles[i][t][d]);
-        for (int64_t d = 0; d < D; ++d) vf[d] = to_float(v_tiles[i][t][d]);
+        to_floats(k_tiles[i][t], kf, D);
+        to_floats(v_tiles[i][t], vf, D);
       }
     }
     for (int64_t j = 0; j < nq; ++j) {
@@ -362,14 +399,15 @@ struct Item {
   int64_t row, tok, count, g;
 };
 
-template <int64_t kD, typename T>
+template <int64_t kD, typename T, typename C>
 void attend_impl(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                  const at::Tensor& v_cache, const at::Tensor& block_tables,
                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_rows,
                  double scale, int64_t window, double softcap, const float* sinks) {
   const int64_t Hkv = k_cache.size(2), G = q.size(1) / Hkv, D = q.size(2);
-  const Step<kD, T> c{q.size(1), D, k_cache.size(1), Hkv, G, block_tables.size(1), q.stride(0),
-                      q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+  const Step<kD, T, C> c{q.size(1), D, k_cache.size(1), Hkv, G, block_tables.size(1),
+                         q.stride(0), k_cache.size(3), q.data_ptr<T>(), k_cache.data_ptr<C>(),
+                         v_cache.data_ptr<C>(),
                       out.data_ptr<T>(), block_tables.data_ptr<int64_t>(),
                       seq_lens.data_ptr<int64_t>(), query_start_loc.data_ptr<int64_t>(),
                       static_cast<float>(scale), window, static_cast<float>(softcap), sinks};
@@ -417,9 +455,16 @@ void attend_typed(const at::Tensor& out, const at::Tensor& q, const at::Tensor& 
                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_rows,
                   double scale, int64_t window, double softcap, const float* sinks) {
+  const bool int8 = k_cache.scalar_type() == at::kChar;
   auto run = [&](auto kD) {
-    attend_impl<decltype(kD)::value, T>(out, q, k_cache, v_cache, block_tables, seq_lens,
-                                        query_start_loc, num_rows, scale, window, softcap, sinks);
+    constexpr int64_t d = decltype(kD)::value;
+    if (int8) {
+      attend_impl<d, T, int8_t>(out, q, k_cache, v_cache, block_tables, seq_lens,
+                                query_start_loc, num_rows, scale, window, softcap, sinks);
+    } else {
+      attend_impl<d, T, T>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                           num_rows, scale, window, softcap, sinks);
+    }
   };
   switch (q.size(2)) {  // the common head dims get unrolled loops
     case 64: return run(std::integral_constant<int64_t, 64>{});
@@ -443,14 +488,17 @@ void check_step(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
               q.sizes(), " of strides ", q.strides(), " must be (tokens, heads, head_dim) with "
               "each token's heads contiguous");
   check_array("paged_attention", "out", out, dtype);
-  check_array("paged_attention", "k_cache", k_cache, dtype);
-  check_array("paged_attention", "v_cache", v_cache, dtype);
+  const auto cache = k_cache.scalar_type() == at::kChar ? at::kChar : dtype;  // int8, or q's
+  check_array("paged_attention", "k_cache", k_cache, cache);
+  check_array("paged_attention", "v_cache", v_cache, cache);
+  const int64_t row = cache == at::kChar ? tinyllm::int8_row(q.size(2)) : q.size(2);
   TORCH_CHECK(out.sizes() == q.sizes(), "paged_attention: out ", out.sizes(), " must be q's ",
               q.sizes());
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(1) > 0 && k_cache.size(2) > 0 &&
-                  k_cache.size(3) == q.size(2),
+                  k_cache.size(3) == row,
               "paged_attention: k_cache ", k_cache.sizes(), " must be (blocks, block_size >= 1, "
-              "kv_heads >= 1, q's head_dim ", q.size(2), ")");
+              "kv_heads >= 1, ", row, ": q's head_dim ", q.size(2),
+              cache == at::kChar ? " plus its int8 scales" : "", ")");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "paged_attention: v_cache ", v_cache.sizes(),
               " must be k_cache's ", k_cache.sizes());
   const int64_t Hkv = k_cache.size(2);
@@ -489,18 +537,20 @@ void check_step(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
 }
 
 // Each new token's K and V rows (N, Hkv, D), rows possibly strided (views of the fused qkv),
-// copied to its cache slot. N: q's tokens.
+// copied to its cache slot, or into an int8 cache quantized head by head (quantize_row). N: q's
+// tokens; k and v of q's dtype.
 void write_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
-                 const at::Tensor& v, const at::Tensor& slot_mapping, int64_t n) {
+                 const at::Tensor& v, const at::Tensor& slot_mapping, int64_t n,
+                 at::ScalarType dtype) {
+  const int64_t D = tinyllm::cache_head_dim(k_cache);
   for (const at::Tensor* t : {&k, &v}) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == k_cache.scalar_type(),
-                "paged_attention: k and v must be on the CPU, of the caches' dtype ",
-                k_cache.scalar_type());
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == dtype,
+                "paged_attention: k and v must be on the CPU, of q's dtype ", dtype);
     TORCH_CHECK(t->dim() == 3 && t->size(0) == n && t->size(1) == k_cache.size(2) &&
-                    t->size(2) == k_cache.size(3) && t->stride(2) == 1 &&
+                    t->size(2) == D && t->stride(2) == 1 &&
                     t->stride(1) == t->size(2),
                 "paged_attention: k ", k.sizes(), " and v ", v.sizes(), " must be [", n, ", ",
-                k_cache.size(2), ", ", k_cache.size(3),
+                k_cache.size(2), ", ", D,
                 "] (q's tokens, the caches' heads and head_dim), each token's heads contiguous");
   }
   check_array("paged_attention", "slot_mapping", slot_mapping, at::kLong);
@@ -512,6 +562,23 @@ void write_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at:
   for (int64_t t = 0; t < n; ++t) {
     TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "paged_attention: slot ", slot[t],
                 " outside the cache's ", slots);
+  }
+  if (k_cache.scalar_type() == at::kChar) {
+    const int64_t H = k.size(1), row = k_cache.size(3);
+    auto quantize = [&](auto* x) {
+      using T = std::remove_pointer_t<decltype(x)>;
+      for (auto [src, dst] : {std::pair{&k, &k_cache}, std::pair{&v, &v_cache}}) {
+        const T* s = src->template data_ptr<T>();
+        int8_t* c = dst->template data_ptr<int8_t>();
+        for (int64_t t = 0; t < n; ++t) {
+          for (int64_t h = 0; h < H; ++h) {
+            quantize_row(s + t * src->stride(0) + h * D, c + (slot[t] * H + h) * row, D);
+          }
+        }
+      }
+    };
+    if (dtype == at::kFloat) return quantize(static_cast<float*>(nullptr));
+    return quantize(static_cast<c10::BFloat16*>(nullptr));
   }
   const int64_t bytes = k.size(1) * k.size(2) * k.element_size();
   auto* kc = static_cast<char*>(k_cache.data_ptr());
@@ -555,7 +622,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   const float* sink = sinks ? sink_logits.data_ptr<float>() : nullptr;
   const int64_t keys = window.value_or(std::numeric_limits<int64_t>::max());
   const double cap = softcap.value_or(0);
-  if (k) write_cache(k_cache, v_cache, *k, *v, *slot_mapping, q.size(0));
+  if (k) write_cache(k_cache, v_cache, *k, *v, *slot_mapping, q.size(0), q.scalar_type());
   if (q.scalar_type() == at::kFloat) {
     attend_typed<float>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                         num_rows, scale, keys, cap, sink);

@@ -48,6 +48,8 @@ class CudaBackend(AttentionBackend):
     # (and a first chunk that is not wholly masked for some row), untested without a GPU here.
     supports_sliding_window = False
 
+    supports_int8_cache = False  # its kernel reads K/V rows of q's dtype
+
     def __init__(self, kernel):
         self.kernel = kernel
 

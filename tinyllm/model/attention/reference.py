@@ -10,14 +10,17 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tinyllm.model.attention.backend import AttentionBackend, AttentionMetadata
+from tinyllm.model.attention.int8_cache import dequantize
 
 
-def gather_blocks(cache: Tensor, table: Tensor) -> Tensor:
-    """(R, B) block ids -> (R, B * block_size, H, D), the rows' tokens in order.
-    index_select, not cache[table]: 2-D advanced indexing is far slower on CPU."""
+def gather_blocks(cache: Tensor, table: Tensor, dtype: torch.dtype) -> Tensor:
+    """(R, B) block ids -> (R, B * block_size, H, D), the rows' tokens in order, in `dtype`
+    (an int8 cache's rows dequantized). index_select, not cache[table]: 2-D advanced indexing is
+    far slower on CPU."""
     R, B = table.shape
     _, bs, H, D = cache.shape
-    return cache.index_select(0, table.reshape(-1)).view(R, B * bs, H, D)
+    rows = cache.index_select(0, table.reshape(-1)).view(R, B * bs, H, D)
+    return dequantize(rows, dtype) if cache.dtype == torch.int8 else rows
 
 
 def attention(
@@ -79,12 +82,12 @@ class ReferenceBackend(AttentionBackend):
         for r in range(nd, meta.num_rows):
             n, L = meta.query_lens_cpu[r], meta.seq_lens_cpu[r]
             qr = q[start : start + n].transpose(0, 1)[None]  # (1, Hq, n, D)
-            if n == L:  # the whole context is new: no need to read the cache
+            if n == L and k_cache.dtype == q.dtype:  # all new and stored as is: read k, v
                 kr, vr = k[start : start + n], v[start : start + n]
             else:
                 table = meta.block_tables[r : r + 1, : math.ceil(L / bs)]
-                kr = gather_blocks(k_cache, table)[0, :L]
-                vr = gather_blocks(v_cache, table)[0, :L]
+                kr = gather_blocks(k_cache, table, q.dtype)[0, :L]
+                vr = gather_blocks(v_cache, table, q.dtype)[0, :L]
             mask = None  # a whole context without a window: SDPA's own causal mask
             if n != L or window is not None:
                 # New token i sits at position L - n + i and sees keys up to it, and in a
@@ -123,8 +126,8 @@ class ReferenceBackend(AttentionBackend):
         if window is not None:
             visible &= slots >= lens - window
         hidden = ~visible[:, :, None, None]
-        keys = gather_blocks(k_cache, table).masked_fill_(hidden, 0).transpose(1, 2)
-        values = gather_blocks(v_cache, table).masked_fill_(hidden, 0).transpose(1, 2)
+        keys = gather_blocks(k_cache, table, q.dtype).masked_fill_(hidden, 0).transpose(1, 2)
+        values = gather_blocks(v_cache, table, q.dtype).masked_fill_(hidden, 0).transpose(1, 2)
         # q (nd, Hq, 1, D), keys and values (nd, H, S, D)
         mask = visible[:, None, None, :]
         o = attention(q[:, :, None], keys, values, mask, scale, softcap, sinks)
