@@ -9,3 +9,5 @@ LAYER_EXECUTORS = ("auto", "fused", "modules")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # Linear layers' weight formats (model/precision.py).
 QUANTIZATIONS = ("none", "int8", "int4")
+# How a pooling model pools a prompt's hidden states (engine/worker/pooler.py).
+POOLING_TYPES = ("last", "mean", "cls")
