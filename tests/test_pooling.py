@@ -11,9 +11,10 @@ import torch
 from tinyllm import LLM
 from tinyllm.engine.pooling_params import PoolingParams
 from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.entrypoints.cli import main
 from tinyllm.entrypoints.pooling import qwen3_reranker_prompt
 
-from .pooling_models import hf_pool, hf_yes_score, write_qwen3
+from .pooling_models import hf_pool, hf_yes_score, text, write_qwen3
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +134,15 @@ def test_embedding_model_scores_by_cosine(qwen3) -> None:
         assert out.outputs.score == pytest.approx(torch.dot(va, vb).item(), abs=1e-5)
     with pytest.raises(ValueError, match="same length"):
         llm.score(["a", "b"], ["c", "d", "e"], use_tqdm=False)
+
+
+def test_cli_embed_prints_norm_and_first_values(qwen3, capsys) -> None:
+    path, ref = qwen3
+    flags = ["--model", str(path), "--pooling", "mean", "--dtype", "float32"]
+    flags += ["--quantization", "none", "--threads", "1", "--show", "3"]
+    prompts = _prompts(6, 9)
+    assert main(["embed", *flags, *(text(p) for p in prompts)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for i, (line, p) in enumerate(zip(lines, prompts, strict=True)):
+        first = ", ".join(f"{x:.4f}" for x in hf_pool(ref, p, "mean")[:3].tolist())
+        assert line == f"[{i}] {len(p)} tokens, 64 dims, norm 1.0000: [{first}, ...]"

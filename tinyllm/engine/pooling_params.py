@@ -6,10 +6,13 @@ or a relevance score (task "score", a reranker's), and the request finishes with
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tinyllm.engine.validation import check_token_ids, is_int, kind_of, show
 from tinyllm.model.config import ModelConfig
-from tinyllm.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from tinyllm.text.tokenizer import Tokenizer
 
 TASKS = ("embed", "score")
 
@@ -89,7 +92,10 @@ class PoolingSpec:
 
 
 def apply_pooling_options(
-    model: ModelConfig, pooling: str | None, classifier_from_token: str | None, tokenizer: Tokenizer
+    model: ModelConfig,
+    pooling: str | None,
+    classifier_from_token: str | None,
+    tokenizer: "Tokenizer",
 ) -> tuple[int, ...]:
     """Make `model` a pooling model as the engine's options say (--pooling: that pooling,
     normalized; --classifier-from-token: last-token pooling); the classifier tokens' ids."""
