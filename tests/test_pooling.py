@@ -9,8 +9,12 @@ import pytest
 import torch
 
 from tinyllm import LLM
-from tinyllm.engine.pooling_params import PoolingParams
+from tinyllm.engine.pooling_params import PoolingParams, PoolingSpec
 from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.engine.sched.kv_cache_manager import KVCacheManager
+from tinyllm.engine.sched.request import Request
+from tinyllm.engine.sched.scheduler import Scheduler
+from tinyllm.engine.step_message import ModelRunnerOutput
 from tinyllm.entrypoints.cli import main
 from tinyllm.entrypoints.pooling import qwen3_reranker_prompt
 
@@ -146,3 +150,27 @@ def test_cli_embed_prints_norm_and_first_values(qwen3, capsys) -> None:
     for i, (line, p) in enumerate(zip(lines, prompts, strict=True)):
         first = ", ".join(f"{x:.4f}" for x in hf_pool(ref, p, "mean")[:3].tolist())
         assert line == f"[{i}] {len(p)} tokens, 64 dims, norm 1.0000: [{first}, ...]"
+
+
+def test_non_causal_prompts_run_whole_and_finish_with_their_vector() -> None:
+    """An encoder's prompt is never chunked: one that does not fit what is left of a step's
+    budget waits for the next step; it finishes with its pooled vector, its blocks freed."""
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=16, whole_prompts=True)
+    params = PoolingParams()
+    for rid, n in [("a", 10), ("b", 10), ("c", 6)]:
+        sched.add(Request(rid, list(range(7, 7 + n)), SamplingParams(), 1, [], 0, pooling=params))
+    first = sched.schedule()
+    assert first.num_scheduled_tokens == {"a": 10}  # b waits (6 left); c waits behind b
+    result = ModelRunnerOutput(pooled={"a": torch.ones(2)})
+    (update,) = sched.update_from_output(first, result)
+    assert update.request_id == "a" and torch.equal(update.pooled, torch.ones(2))
+    assert kv.pool.num_used == 0 and "a" not in sched.requests
+    assert sched.schedule().num_scheduled_tokens == {"b": 10, "c": 6}
+
+
+def test_encoder_input_over_the_step_budget_names_it() -> None:
+    spec = PoolingSpec("cls", 96, 64, None, max_model_len=512, whole_prompt_tokens=128)
+    with pytest.raises(ValueError, match="at most 128 tokens \\(max_num_batched_tokens\\)"):
+        spec.check([7] * 129, PoolingParams())
+    spec.check([7] * 128, PoolingParams())
