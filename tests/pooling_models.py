@@ -10,28 +10,17 @@ import transformers
 from tokenizers import AddedToken, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from tests.test_hf_loader import _random_hf_model
+
 VOCAB = 96
 WORDS = ["<unk>", "<s>", "</s>", "yes", "no", "<|im_start|>", "<|im_end|>"]
-CONFIG = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    max_position_embeddings=1024,
-    tie_word_embeddings=False,
-)
+# test_hf_loader's small shapes; a context long enough for a prompt over the default budget.
+QWEN3 = dict(vocab_size=VOCAB, head_dim=32, tie_word_embeddings=False, max_position_embeddings=1024)
 
 
 def write_qwen3(path: Path) -> transformers.PreTrainedModel:
     """Save a random Qwen3ForCausalLM and its tokenizer at `path`; the model, for reference."""
-    torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**CONFIG)).eval()
-    with torch.no_grad():  # HF's init gives near-zero activations that would hide mistakes
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.1 + ("norm" in name))
+    model = _random_hf_model("Qwen3", **QWEN3)
     model.save_pretrained(path)
     vocab = {w: i for i, w in enumerate(WORDS)}
     vocab |= {f"w{i}": i for i in range(len(WORDS), VOCAB)}

@@ -221,6 +221,11 @@ def serve(args: argparse.Namespace) -> None:
         "API key required" if args.api_key else "no API key",
         "? MB" if resident is None else f"{resident / 1e6:.0f} MB",
     )
+    if llm.engine.pooling is not None:
+        log.info(
+            "a pooling model: /v1/embeddings, /v1/rerank, /rerank, /score and /api/embed serve "
+            "it; the generation routes answer 400"
+        )
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         log.warning("serving on %s without an API key: whoever reaches it can use it", args.host)
     # Our handlers log one line per request; uvicorn's access log would be a second. On Ctrl-C,
