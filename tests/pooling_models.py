@@ -29,7 +29,11 @@ def write_qwen3(path: Path) -> transformers.PreTrainedModel:
     tok.add_special_tokens([AddedToken(w, special=True) for w in WORDS[5:]])
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+        # A class and a pad token for transformers' AutoTokenizer (sentence-transformers' batches).
+        json.dumps(
+            {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "</s>"}
+            | {"tokenizer_class": "PreTrainedTokenizerFast"}
+        )
     )
     return model
 

@@ -174,3 +174,16 @@ def test_encoder_input_over_the_step_budget_names_it() -> None:
     with pytest.raises(ValueError, match="at most 128 tokens \\(max_num_batched_tokens\\)"):
         spec.check([7] * 129, PoolingParams())
     spec.check([7] * 128, PoolingParams())
+
+
+def test_bench_embed_agrees_with_sentence_transformers(qwen3, capsys) -> None:
+    """`tinyllm bench embed` on the same checkpoint: sentence-transformers (Transformer,
+    Pooling, Normalize) embeds the same texts to the same vectors."""
+    path, _ = qwen3
+    flags = ["--model", str(path), "--pooling", "mean", "--dtype", "float32"]
+    flags += ["--quantization", "none", "--threads", "1", "--num-texts", "6"]
+    assert main(["bench", "embed", *flags]) == 0
+    out = capsys.readouterr().out
+    assert "tinyllm: " in out and "sentence-transformers: " in out and "ratio: " in out
+    cosine = float(out.split("cosine to sentence-transformers: min ")[1].split(",")[0])
+    assert cosine >= 0.9999
