@@ -154,8 +154,9 @@ def test_rerank_and_score_order_matches_transformers(qwen3) -> None:
                                               "return_documents": False}).json()  # fmt: skip
         assert "document" not in r["results"][0]
         assert r["results"][0]["relevance_score"] == pytest.approx(expected[2], abs=1e-5)
-        r = httpx.post(f"{url}/score", json={"text_1": query, "text_2": documents}).json()
-        assert [d["score"] for d in r["data"]] == pytest.approx(expected, abs=1e-5)
+        for route in ("/score", "/v1/score"):
+            r = httpx.post(f"{url}{route}", json={"text_1": query, "text_2": documents}).json()
+            assert [d["score"] for d in r["data"]] == pytest.approx(expected, abs=1e-5)
         r = httpx.post(f"{url}/rerank", json={"query": query, "documents": []})
         assert r.status_code == 400 and "at least one text" in r.json()["error"]["message"]
         r = httpx.post(f"{url}/v1/embeddings", json={"input": "w10"})

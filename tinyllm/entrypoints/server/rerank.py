@@ -1,6 +1,6 @@
 """The relevance routes: POST /v1/rerank and /rerank (the Jina/Cohere shape that vLLM and
 llama.cpp serve: results sorted by relevance_score, top_n, return_documents) and vLLM's
-POST /score (one text against others, or two lists pairwise)."""
+POST /score and /v1/score (one text against others, or two lists pairwise)."""
 
 import time
 import uuid
@@ -42,7 +42,6 @@ def install_rerank_routes(app: FastAPI, chat: ChatServing, pooling: PoolingServi
             "results": results,
         }
 
-    @app.post("/score")
     async def score(req: ScoreRequest) -> dict:
         chat.check_model(req.model)
         found, tokens = await scores(req.text_1, req.text_2, "text_2", req)
@@ -57,3 +56,5 @@ def install_rerank_routes(app: FastAPI, chat: ChatServing, pooling: PoolingServi
 
     app.add_api_route("/v1/rerank", rerank, methods=["POST"])
     app.add_api_route("/rerank", rerank, methods=["POST"])
+    app.add_api_route("/score", score, methods=["POST"])
+    app.add_api_route("/v1/score", score, methods=["POST"])
