@@ -2,12 +2,20 @@
 
 import importlib
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "PoolingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+]
 __version__ = "0.1.0"
 
 _HOMES = {
     "LLM": "tinyllm.entrypoints.llm",
     "SamplingParams": "tinyllm.engine.sampling_params",
+    "PoolingParams": "tinyllm.engine.pooling_params",
     "StructuredOutputsParams": "tinyllm.engine.structured_output.params",
     "RequestOutput": "tinyllm.engine.outputs",
     "CompletionOutput": "tinyllm.engine.outputs",

@@ -5,7 +5,12 @@ import json
 from dataclasses import dataclass
 
 from tinyllm.host.options import option
-from tinyllm.model.choices import ATTENTION_BACKENDS, KV_CACHE_DTYPES, LAYER_EXECUTORS
+from tinyllm.model.choices import (
+    ATTENTION_BACKENDS,
+    KV_CACHE_DTYPES,
+    LAYER_EXECUTORS,
+    POOLING_TYPES,
+)
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,22 @@ class EngineConfig:
         "its share of --threads",
         aliases=("-tp",),
     )
+    # Pooling models (engine/pooling_params.py, engine/worker/pooler.py): the engine embeds or
+    # scores its prompts instead of generating.
+    pooling: str | None = option(
+        None,
+        "serve the model as an embedding model: each input's final hidden states pooled by its "
+        "last token, their mean, or the first (cls) token, then L2-normalized; generation is "
+        "refused (default: as the model's sentence-transformers config says, else generation)",
+        choices=POOLING_TYPES,
+    )
+    classifier_from_token: str | None = option(
+        None,
+        "serve a decoder as a reranker (vLLM's name): its score is the probability of the last "
+        "of these comma-separated tokens against the others at an input's last token, and the "
+        "score and rerank APIs write Qwen3-Reranker's prompt (for it: no,yes)",
+        metavar="TOKENS",
+    )
     # Draws the seeds of requests that set none (no flag: each command's --seed is its own).
     seed: int = 0
 
@@ -157,6 +178,12 @@ class EngineConfig:
         for name in (*positive, "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        tokens = self.classifier_from_token
+        if tokens is not None and (len(tokens.split(",")) < 2 or "" in tokens.split(",")):
+            raise ValueError(
+                f"classifier_from_token={tokens!r}: give two or more tokens, comma-separated "
+                "(Qwen3-Reranker: no,yes)"
+            )
         for name in ("num_blocks", "max_model_len"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")

@@ -26,9 +26,10 @@ from tinyllm.engine.config import EngineConfig
 from tinyllm.engine.output_processor import OutputProcessor, TokenUpdate
 from tinyllm.engine.outputs import RequestOutput
 from tinyllm.engine.parent_request import ParentRequest, ParentRequests, child_ids
+from tinyllm.engine.pooling_params import PoolingParams, PoolingSpec, apply_pooling_options
 from tinyllm.engine.prompt_limits import PromptLimits
 from tinyllm.engine.request_validator import RequestValidator
-from tinyllm.engine.sampling_params import SamplingParams
+from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from tinyllm.engine.sched.kv_cache_sizing import build_kv_cache_manager
 from tinyllm.engine.sched.request import Request
 from tinyllm.engine.sched.scheduler import Scheduler
@@ -47,6 +48,8 @@ if TYPE_CHECKING:  # torch.distributed's import is for tensor-parallel runs only
 log = logging.getLogger("tinyllm")
 
 _FAILED = "the engine failed on this request (see the server log)"
+# A pooling request's SamplingParams: it samples nothing; its one output comes at its end.
+_POOLED = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
 T = TypeVar("T")
 
 
@@ -81,7 +84,14 @@ class LLMEngine:
             config.max_model_len or model.config.max_position_embeddings,
             model.config.max_position_embeddings,
         )
-        self.kv = build_kv_cache_manager(model, config, max_model_len)
+        c = model.config
+        classifier_ids = apply_pooling_options(
+            c, config.pooling, config.classifier_from_token, tokenizer
+        )
+        # A pooling model's prompts are not shared: no prefix cache.
+        caching = config.enable_prefix_caching and c.pooling is None
+        kv_config = dataclasses.replace(config, enable_prefix_caching=caching)
+        self.kv = build_kv_cache_manager(model, kv_config, max_model_len)
         # A request never outgrows the pool: it finishes with "length" where the pool ends,
         # keeping what it generated, and a longer prompt is refused before it runs.
         vocab_size = model.config.vocab_size
@@ -90,12 +100,24 @@ class LLMEngine:
             self.limits = PromptLimits(self.kv.capacity_tokens, vocab_size, cut)
         else:
             self.limits = PromptLimits(max_model_len, vocab_size)
+        # What a pooling model runs (None: a generation model).
+        self.pooling: PoolingSpec | None = None
+        if c.pooling is not None:
+            self.pooling = PoolingSpec(
+                c.pooling,
+                vocab_size,
+                c.hidden_size,
+                scorer="tokens" if classifier_ids else "head" if c.num_labels else None,
+                max_model_len=self.limits.max_model_len,
+                whole_prompt_tokens=None if c.is_causal else config.max_num_batched_tokens,
+            )
         runner_spec = RunnerSpec(
             self.kv.num_blocks,
             self.kv.block_size,
             config.attention_backend,
             config.layer_executor,
             config.kv_cache_dtype,
+            classifier_ids,
         )
         self.executor = Executor(model, runner_spec, workers)
         self.output_processor = OutputProcessor(tokenizer)
@@ -119,6 +141,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             structured_output=self.structured_output,
             speculator=self.speculator,
+            whole_prompts=not c.is_causal,
         )
         self._parents = ParentRequests()
         self._ids = itertools.count()
@@ -159,12 +182,14 @@ class LLMEngine:
     def add_request(
         self,
         prompt: str | list[int] | None,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         request_id: str | None = None,
         prompt_token_ids: list[int] | None = None,
     ) -> str:
         """Queue a request (n > 1: n requests reported as one); a text prompt is tokenized
-        unless its token ids are given. Raises, with nothing queued, if anything is invalid."""
+        unless its token ids are given. Raises, with nothing queued, if anything is invalid.
+        PoolingParams on a pooling model: its one output's `pooled` is the embedding or the
+        scores."""
         text = prompt if isinstance(prompt, str) else None
         if prompt_token_ids is not None:
             ids = list(prompt_token_ids)
@@ -175,17 +200,45 @@ class LLMEngine:
                 f"the prompt {text[:40]!r} is no tokens: this model's vocabulary has none of "
                 "its characters; give at least one token"
             )
+        if isinstance(params, PoolingParams):
+            return self._add_pooling(text, ids, params, request_id)
+        if self.pooling is not None:
+            raise ValueError(
+                f"this model is served as a pooling model ({self.pooling.pooling} pooling): it "
+                "embeds or scores inputs and does not generate"
+            )
         self.limits.check(ids, params)
         matchers = self.structured_output.matchers(params)
-        if request_id is None:
-            request_id = next(i for i in map(str, self._ids) if self._id_free(i, params.n))
-        elif not self._id_free(request_id, params.n):
-            raise ValueError(f"request id {request_id!r} is already in use by a running request")
+        request_id = self._new_id(request_id, params.n)
         children = self._parents.expand(request_id, params)
         for (child, one), matcher in zip(children, matchers, strict=True):
             request = self._request(child, ids, one, matcher)
             self.output_processor.add_request(child, text, request.prompt_token_ids, one)
             self.scheduler.add(request)
+        return request_id
+
+    def _add_pooling(
+        self, text: str | None, ids: list[int], params: PoolingParams, request_id: str | None
+    ) -> str:
+        if self.pooling is None:
+            raise ValueError(
+                "this model generates; it has no pooling (serve it with --pooling last|mean|cls "
+                "for embeddings, or --classifier-from-token for a decoder reranker)"
+            )
+        ids = params.truncate(ids)
+        self.pooling.check(ids, params)
+        request_id = self._new_id(request_id, 1)
+        request = Request(request_id, ids, _POOLED, 1, [], 0, pooling=params)
+        self.output_processor.add_request(request_id, text, ids, _POOLED)
+        self.scheduler.add(request)
+        return request_id
+
+    def _new_id(self, request_id: str | None, n: int) -> str:
+        """`request_id`, or a free one when None; an error if it is in use."""
+        if request_id is None:
+            return next(i for i in map(str, self._ids) if self._id_free(i, n))
+        if not self._id_free(request_id, n):
+            raise ValueError(f"request id {request_id!r} is already in use by a running request")
         return request_id
 
     def _id_free(self, request_id: str, n: int) -> bool:
@@ -264,7 +317,7 @@ class LLMEngine:
     def request_validator(self) -> RequestValidator:
         """The checks add_request makes, as an object any thread may call while the engine
         steps (its limits are copies, its grammar compiler is thread-safe)."""
-        return RequestValidator(self.limits, self.structured_output.compiler)
+        return RequestValidator(self.limits, self.structured_output.compiler, self.pooling)
 
     def outputs(self) -> Iterator[list[RequestOutput]]:
         """Step while any request is unfinished, yielding each step's outputs. Requests added

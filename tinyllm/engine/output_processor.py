@@ -11,11 +11,15 @@ with a stop string.
 
 import bisect
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tinyllm.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from tinyllm.text.detokenizer import IncrementalDetokenizer
 from tinyllm.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -32,6 +36,7 @@ class TokenUpdate:
     error: str | None = None
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache held (once admitted)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first sampled token
+    pooled: "torch.Tensor | None" = None  # a pooling request's embedding or scores, at its end
 
 
 class _RequestState:
@@ -58,6 +63,7 @@ class _RequestState:
         self.error: str | None = None
         self.num_cached_tokens = 0
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self.pooled: torch.Tensor | None = None
 
     def add(self, token: int, logprob: TokenLogprob | None) -> bool:
         """Take a token; True if a stop string ended the request."""
@@ -136,6 +142,7 @@ class _RequestState:
             error=self.error,
             num_cached_tokens=self.num_cached_tokens,
             prompt_logprobs=self.prompt_logprobs,
+            pooled=self.pooled,
         )
 
 
@@ -165,6 +172,8 @@ class OutputProcessor:
                 state.num_cached_tokens = u.num_cached_tokens
             if u.prompt_logprobs is not None:
                 state.prompt_logprobs = u.prompt_logprobs
+            if u.pooled is not None:
+                state.pooled = u.pooled
             if any(state.add(t, lp) for t, lp in zip(u.token_ids, u.logprobs, strict=True)):
                 stopped.append(u.request_id)  # any() stops at the token that ended it
             elif u.finish_reason is not None:

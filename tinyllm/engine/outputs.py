@@ -1,8 +1,12 @@
 """What the engine hands back: vLLM's RequestOutput / CompletionOutput shapes."""
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tinyllm.text.tool_calls import ToolCall
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -40,6 +44,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     # With SamplingParams.prompt_logprobs: one per prompt token, None for the first (vLLM's).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # A pooling request's result (float32): its embedding, or a reranker's scores.
+    pooled: "torch.Tensor | None" = None
 
     @property
     def text(self) -> str:

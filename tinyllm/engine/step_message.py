@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tinyllm.engine.outputs import TokenLogprob
+from tinyllm.engine.pooling_params import PoolingParams
 from tinyllm.engine.sampling_params import SamplingParams
 
 
@@ -26,6 +27,7 @@ class NewRequestData:
     params: SamplingParams
     seed: int  # its random generator's seed: one generator per request, the runner's
     block_ids: list[int]
+    pooling: PoolingParams | None = None  # a pooling request: pooled, not sampled
 
 
 @dataclass
@@ -89,3 +91,5 @@ class ModelRunnerOutput:
     logprobs: list[list[TokenLogprob | None]] = field(default_factory=list)
     # Prompt logprobs computed this step, in position order after those sent before.
     prompt_logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)
+    # The pooling requests whose prompt is done: each one's embedding or scores.
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)

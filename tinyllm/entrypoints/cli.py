@@ -6,18 +6,21 @@ import dataclasses
 import faulthandler
 import json
 import logging
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator
 
 from tqdm import tqdm
 
+from tinyllm.engine.pooling_params import PoolingParams
 from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from tinyllm.engine.structured_output.params import StructuredOutputsParams
 from tinyllm.entrypoints.args import (
     add_engine_args,
     add_option_args,
     build_llm,
+    positive_int,
     run_torchrun_worker,
 )
 from tinyllm.entrypoints.bench.args import add_bench_args
@@ -202,6 +205,20 @@ def cmd_generate(args: argparse.Namespace) -> None:
     )
 
 
+def cmd_embed(args: argparse.Namespace) -> None:
+    """Each text's embedding, briefly: its tokens, norm and first values."""
+    llm = build_llm(args)
+    params = PoolingParams(dimensions=args.dimensions)
+    for i, out in enumerate(llm.embed(args.texts, params, use_tqdm=False)):
+        vector = out.outputs.embedding
+        first = ", ".join(f"{x:.4f}" for x in vector[: args.show])
+        more = ", ..." if len(vector) > args.show else ""
+        print(
+            f"[{i}] {len(out.prompt_token_ids)} tokens, {len(vector)} dims, "
+            f"norm {math.sqrt(sum(x * x for x in vector)):.4f}: [{first}{more}]"
+        )
+
+
 class ThinkingDisplay:
     """Writes a thinking model's answer as it streams: the thinking dimmed on a terminal
     (left out elsewhere, where no dimming shows it apart), then the answer."""
@@ -305,6 +322,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(c)
     _sampling_args(c)
     c.set_defaults(func=cmd_chat)
+
+    e = _command(sub, "embed", "print each text's embedding (its norm and first values)")
+    e.add_argument("texts", nargs="+", help="the texts to embed")
+    e.add_argument("--dimensions", type=positive_int, default=None, help="Matryoshka: keep N")
+    e.add_argument("--show", type=positive_int, default=8, help="values to print per text")
+    add_engine_args(e, positional_model=False)  # the positionals are the texts
+    e.set_defaults(func=cmd_embed)
 
     s = _command(sub, "serve", "OpenAI-compatible HTTP server (/v1/completions, /v1/chat/...)")
     s.add_argument(

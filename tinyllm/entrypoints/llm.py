@@ -10,11 +10,21 @@ from tqdm import tqdm
 
 from tinyllm.engine.engine import LLMEngine
 from tinyllm.engine.outputs import RequestOutput
+from tinyllm.engine.pooling_params import PoolingParams
 from tinyllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from tinyllm.engine.structured_output.params import StructuredOutputsParams
 from tinyllm.engine.worker.tp_worker import start_workers
 from tinyllm.entrypoints.generation_config import default_sampling
 from tinyllm.entrypoints.llm_options import llm_configs
+from tinyllm.entrypoints.pooling import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+    pairs,
+    plan_scores,
+    pooled,
+)
 from tinyllm.host.threads import rank_threads, set_threads, warn_if_oversubscribed
 from tinyllm.loaders.load_config import LoadConfig
 from tinyllm.loaders.model_loader import load_model
@@ -139,6 +149,57 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order."""
+        return self._submit(self._encode(prompts), params, use_tqdm)
+
+    def embed(
+        self,
+        prompts: str | list[int] | list[str | list[int]],
+        pooling_params: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (vLLM's LLM.embed), on a pooling model (an embedding model,
+        or any model with the `pooling` option); `pooling_params` for Matryoshka `dimensions`
+        and `normalize`."""
+        params = pooling_params or PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+        encoded = self._encode(prompts)
+        outputs = self._submit(encoded, [params] * len(encoded), use_tqdm)
+        return [
+            EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(v.tolist()))
+            for o, v in ((o, pooled(o)) for o in outputs)
+        ]
+
+    def score(
+        self,
+        data_1: str | list[str],
+        data_2: str | list[str],
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        instruction: str | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """How relevant each text of `data_2` is to `data_1` (one text against each, or two
+        lists pairwise), as vLLM's LLM.score: a reranker's probability (a cross-encoder, or a
+        decoder with `classifier_from_token`, whose prompt is Qwen3-Reranker's with
+        `instruction`), or an embedding model's cosine similarity."""
+        spec = self.engine.pooling
+        if spec is None:
+            raise ValueError("this model generates text; it does not embed or score")
+        texts = pairs(data_1, data_2)
+        plan = plan_scores(self.tokenizer, spec, texts, instruction, truncate_prompt_tokens)
+        outputs = self._submit(plan.prompts, [plan.params] * len(plan.prompts), use_tqdm)
+        scores = plan.scores([pooled(o) for o in outputs])
+        owners = outputs  # each score's request: the pair's, or (embeddings) the document's
+        if plan.embedded_pairs is not None:
+            owners = [outputs[b] for _, b in plan.embedded_pairs]
+        return [
+            ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(score))
+            for o, score in zip(owners, scores, strict=True)
+        ]
+
+    def _encode(
+        self, prompts: str | list[int] | list[str | list[int]]
+    ) -> list[tuple[str | None, list[int]]]:
+        """Prompts as (text, token ids): a text, a list of token ids, or a list of those."""
         if not isinstance(prompts, str | list | tuple):
             raise ValueError(_PROMPTS_ARE + f", not {type(prompts).__name__}")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -146,11 +207,10 @@ class LLM:
         bad = [p for p in prompts if not isinstance(p, str | list | tuple)]
         if bad or not prompts:
             raise ValueError(_PROMPTS_ARE + (f", not {type(bad[0]).__name__}" if bad else ""))
-        encoded = [
+        return [
             (p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, list(p))
             for p in prompts
         ]
-        return self._submit(encoded, params, use_tqdm)
 
     def chat(
         self,
@@ -285,7 +345,7 @@ class LLM:
     def _submit(
         self,
         prompts: list[tuple[str | None, list[int]]],
-        params: SamplingParams | list[SamplingParams] | None,
+        params: SamplingParams | list[SamplingParams | PoolingParams] | None,
         use_tqdm: bool,
     ) -> list[RequestOutput]:
         if isinstance(params, list):
@@ -297,7 +357,11 @@ class LLM:
         ids: list[str] = []
         try:  # whatever goes wrong (a bad prompt, Ctrl-C), nothing of this call stays queued
             for (text, token_ids), p in zip(prompts, params, strict=True):
-                final = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                final = (
+                    p
+                    if isinstance(p, PoolingParams)
+                    else dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                )
                 ids.append(engine.add_request(text, final, None, token_ids))
             done = self._run(len(ids), use_tqdm)
         except BaseException:

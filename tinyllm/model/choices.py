@@ -11,3 +11,5 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8", "int4")
 # K/V cache storage (model/attention/int8_cache.py): auto, the model's dtype; int8, codes.
 KV_CACHE_DTYPES = ("auto", "int8")
+# How a pooling model pools a prompt's hidden states (engine/worker/pooler.py).
+POOLING_TYPES = ("last", "mean", "cls")

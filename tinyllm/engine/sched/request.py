@@ -5,6 +5,7 @@ import enum
 from llguidance import LLMatcher
 
 from tinyllm.engine.outputs import TokenLogprob
+from tinyllm.engine.pooling_params import PoolingParams
 from tinyllm.engine.sampling_params import SamplingParams
 from tinyllm.engine.sched.block_pool import BlockKey
 from tinyllm.engine.spec_decode.ngram_proposer import NgramIndex
@@ -31,8 +32,11 @@ class Request:
         eos_token_ids: list[int],
         seed: int,
         matcher: LLMatcher | None = None,
+        pooling: PoolingParams | None = None,
     ):
-        self.request_id, self.params = request_id, params
+        """`pooling`: a pooling request, which runs its prompt and finishes with the pooled
+        vector instead of sampling (`params` are then unused)."""
+        self.request_id, self.params, self.pooling = request_id, params, pooling
         # Structured output: where the output is in the grammar. The scheduler advances it after
         # each step; a preempted request keeps it, since the tokens it accepted stay in the
         # output.

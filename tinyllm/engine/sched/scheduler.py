@@ -44,7 +44,12 @@ def step_message(
         rid = request.request_id
         if request.num_sent_tokens == 0:
             new = NewRequestData(
-                rid, request.prompt_token_ids, request.params, request.seed, list(request.block_ids)
+                rid,
+                request.prompt_token_ids,
+                request.params,
+                request.seed,
+                list(request.block_ids),
+                request.pooling,
             )
             out.new_requests.append(new)
         else:
@@ -72,13 +77,17 @@ class Scheduler:
         max_model_len: int = 2**63,
         structured_output: StructuredOutputManager | None = None,
         speculator: Speculator | None = None,
+        whole_prompts: bool = False,
     ):
         """The keyword arguments are for `update_from_output`: the context a request finishes
-        at (by default none: only its max_tokens), who advances grammars, who counts drafts."""
+        at (by default none: only its max_tokens), who advances grammars, who counts drafts;
+        and `whole_prompts`: a non-causal model's, whose prompts run whole in one step (the
+        engine refuses one over the budget)."""
         self.kv = kv
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
         self.structured_output, self.speculator = structured_output, speculator
+        self.whole_prompts = whole_prompts
         self.requests: dict[str, Request] = {}  # every request not finished, by its id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the newest is last
@@ -136,6 +145,8 @@ class Scheduler:
             matched = self.kv.match(request)
             start = len(matched) * self.kv.block_size
             n = min(request.num_tokens - start, budget)
+            if self.whole_prompts and n < request.num_tokens - start:
+                break  # it runs whole in a later step
             # Room for the chunk and one token more (the first decode token once the prompt
             # is done), so an admitted request is not preempted by its own next step.
             if not self.kv.can_admit(request, matched, start + n + 1):
@@ -213,6 +224,19 @@ class Scheduler:
         if self.structured_output is not None:
             self.structured_output.advance(out, result, self.requests)
         updates = []
+        for req_id, pooled in result.pooled.items():  # a pooling request ends with its prompt
+            request = self.requests[req_id]
+            updates.append(
+                TokenUpdate(
+                    req_id,
+                    [],
+                    [],
+                    "stop",
+                    num_cached_tokens=request.num_cached_tokens,
+                    pooled=pooled,
+                )
+            )
+            self.finish(request, "stop")
         for request, tokens, logprobs in sampled:
             kept = self._append(request, tokens)
             updates.append(

@@ -27,6 +27,7 @@ from tinyllm.engine.outputs import TokenLogprob
 from tinyllm.engine.sampling_params import SamplingParams
 from tinyllm.engine.step_message import ModelRunnerOutput, SchedulerOutput
 from tinyllm.engine.worker.logprobs import token_logprobs
+from tinyllm.engine.worker.pooler import Pooler, PoolState
 from tinyllm.engine.worker.sampler import Sampler
 from tinyllm.model.attention import AttentionBackend, AttentionMetadata, ForwardContext, get_backend
 from tinyllm.model.attention.int8_cache import cache_dtype, row_width
@@ -49,6 +50,7 @@ class CachedRequestState:
     block_ids: list[int]
     # Prompt positions whose logprob has been computed; the first token has none.
     num_prompt_logprobs: int = 1
+    pool: PoolState | None = None  # a pooling request's (engine/worker/pooler.py)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -71,6 +73,9 @@ class StepBatch:
     logits_indices: Tensor
     # Prompt logprobs to compute: (request, batch index of a position, the prompt token after it)
     prompt_targets: list[tuple[CachedRequestState, int, int]]
+    # Pooling requests' chunks: (request, first batch index, tokens, first position, whether
+    # the prompt is done after it)
+    pool_chunks: list[tuple[CachedRequestState, int, int, int, bool]]
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,7 @@ class RunnerSpec:
     attention_backend: str
     layer_executor: str
     kv_cache_dtype: str
+    classifier_token_ids: tuple[int, ...] = ()  # a reranker scored by these tokens' logits
 
     def build(self, model: Transformer, samples: bool = True) -> "ModelRunner":
         backend = get_backend(self.attention_backend, model.device, model.config.sliding_window)
@@ -94,6 +100,7 @@ class RunnerSpec:
             self.layer_executor,
             samples,
             self.kv_cache_dtype,
+            self.classifier_token_ids,
         )
 
 
@@ -113,12 +120,14 @@ class ModelRunner:
         layer_executor: str = "auto",
         samples: bool = True,
         kv_cache_dtype: str = "auto",
+        classifier_token_ids: tuple[int, ...] = (),
     ):
         """`layer_executor`: how the model's layers run (tinyllm.model.layer_executor), chosen
         here and set on the model.
         `samples`: False on a tensor-parallel rank other than 0, which runs the layers with the
         others but leaves the LM head and sampling to rank 0.
-        `kv_cache_dtype`: "auto" (the model's dtype) or "int8"."""
+        `kv_cache_dtype`: "auto" (the model's dtype) or "int8".
+        `classifier_token_ids`: a reranker's tokens, scored at a prompt's last token (pooler)."""
         dtype = cache_dtype(kv_cache_dtype, model.dtype)
         if dtype == torch.int8 and not backend.supports_int8_cache:
             raise ValueError(
@@ -140,6 +149,7 @@ class ModelRunner:
             for _ in range(c.num_layers)
         ]
         self.sampler = Sampler()
+        self.pooler = Pooler(model, classifier_token_ids)  # for requests with PoolingParams
         self.requests: dict[str, CachedRequestState] = {}
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -156,6 +166,8 @@ class ModelRunner:
         result = ModelRunnerOutput()
         if not self.samples:
             return result
+        if batch.pool_chunks:
+            result.pooled = self._pool(hidden, batch.pool_chunks)
         if batch.prompt_targets:
             result.prompt_logprobs = self._prompt_logprobs(hidden, batch.prompt_targets)
         if batch.sampling:  # else only prompt chunks ran: no row to sample, no LM head to run
@@ -188,6 +200,18 @@ class ModelRunner:
                 found.setdefault(state.req_id, []).append(lp)
         return found
 
+    def _pool(
+        self, hidden: Tensor, chunks: list[tuple[CachedRequestState, int, int, int, bool]]
+    ) -> dict[str, Tensor]:
+        """Add each pooling request's chunk to its pool; the finished prompts' vectors."""
+        for req, row, n, start, _ in chunks:
+            self.pooler.add_chunk(req.pool, hidden[row : row + n], start)
+        done = [req for req, *_, finished in chunks if finished]
+        if not done:
+            return {}
+        vectors = self.pooler.finish([req.pool for req in done])
+        return {req.req_id: v for req, v in zip(done, vectors, strict=True)}
+
     def update_states(self, out: SchedulerOutput) -> None:
         """Forget the finished requests, record the new ones, and write what the scheduled ones
         lacked where it goes."""
@@ -201,6 +225,9 @@ class ModelRunner:
                 torch.Generator().manual_seed(new.seed),
                 list(new.prompt_token_ids),
                 list(new.block_ids),
+                pool=None
+                if new.pooling is None
+                else PoolState(new.pooling, len(new.prompt_token_ids)),
             )
         for cached in out.cached_requests:
             state = self.requests[cached.req_id]
@@ -215,7 +242,7 @@ class ModelRunner:
         rows = sorted(scheduled, key=lambda rn: rn[1] != 1)  # decodes first, order kept
         bs = self.block_size
         ids, positions, slots, tables, seq_lens, query_lens = [], [], [], [], [], []
-        sampling, drafts, last, prompt_targets = [], [], [], []
+        sampling, drafts, last, prompt_targets, pool_chunks = [], [], [], [], []
         for req_id, n in rows:
             req = self.requests[req_id]
             start = out.num_computed_tokens[req_id]
@@ -227,6 +254,8 @@ class ModelRunner:
                 first = max(start, req.num_prompt_logprobs - 1)
                 for p in range(first, min(end, req.num_prompt_tokens - 1)):
                     prompt_targets.append((req, len(ids) + p - start, req.token_ids[p + 1]))
+            if req.pool is not None:  # pooled at the end of its prompt, never sampled
+                pool_chunks.append((req, len(ids), n, start, end >= len(req.token_ids)))
             ids += req.token_ids[start:end] + draft
             positions += range(start, end)
             blocks = req.block_ids
@@ -234,7 +263,7 @@ class ModelRunner:
             tables.append(blocks)
             seq_lens.append(end)
             query_lens.append(n)
-            if end >= len(req.token_ids):
+            if end >= len(req.token_ids) and req.pool is None:
                 sampling.append(req)
                 drafts.append(draft)
                 last += range(len(ids) - 1 - len(draft), len(ids))
@@ -258,6 +287,7 @@ class ModelRunner:
             drafts=drafts,
             logits_indices=self._tensor(last),
             prompt_targets=prompt_targets,
+            pool_chunks=pool_chunks,
         )
 
     def _tensor(self, values: list) -> Tensor:

@@ -8,7 +8,7 @@ import argparse
 import os
 from pathlib import Path
 
-from tinyllm.entrypoints.args import add_engine_args
+from tinyllm.entrypoints.args import add_engine_args, positive_int
 from tinyllm.entrypoints.workloads import OFFLINE_WORKLOADS, STRUCTURED_SCHEMAS, WORKLOADS
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
@@ -26,6 +26,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
     from tinyllm.entrypoints.bench.serve import run_serve
 
     run_serve(args)
+
+
+def cmd_bench_embed(args: argparse.Namespace) -> None:
+    from tinyllm.entrypoints.bench.embed import run_embed
+
+    run_embed(args)
 
 
 def _output_path(value: str) -> Path:
@@ -187,3 +193,20 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     )
     _serve_args(s)
     s.set_defaults(func=cmd_bench_serve)
+    e = workloads.add_parser(
+        "embed",
+        help="embeddings: texts/s on N texts of 16-256 tokens against sentence-transformers",
+        description="Embeds N random texts of 16-256 tokens with a pooling model (an embedding "
+        "model, or --pooling on any model) and the same texts with sentence-transformers on "
+        "the same checkpoint in the same run: texts/s, the ratio, and the cosine between them.",
+    )
+    e.add_argument("--num-texts", type=positive_int, default=1000, help="texts to embed")
+    e.add_argument("--seed", type=int, default=0, help="draws the texts")
+    e.add_argument(
+        "--baseline",
+        default="sentence-transformers",
+        choices=["sentence-transformers", "none"],
+        help="measured in the same run on the same HF checkpoint",
+    )
+    add_engine_args(e)
+    e.set_defaults(func=cmd_bench_embed)

@@ -19,12 +19,14 @@ from tinyllm import __version__
 from tinyllm.entrypoints.llm import LLM
 from tinyllm.entrypoints.server.anthropic import install_anthropic_routes
 from tinyllm.entrypoints.server.chat_run import ChatServing
+from tinyllm.entrypoints.server.embeddings import install_embedding_routes
 from tinyllm.entrypoints.server.engine_loop import EngineLoop
 from tinyllm.entrypoints.server.engine_requests import chat_prompt, encode
 from tinyllm.entrypoints.server.errors import APIError, BodyLimitMiddleware, install_error_handlers
 from tinyllm.entrypoints.server.metrics import ServerMetrics
 from tinyllm.entrypoints.server.ollama import install_ollama_routes
 from tinyllm.entrypoints.server.options import ServerOptions
+from tinyllm.entrypoints.server.pooling_serving import PoolingServing
 from tinyllm.entrypoints.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -33,6 +35,7 @@ from tinyllm.entrypoints.server.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from tinyllm.entrypoints.server.rerank import install_rerank_routes
 from tinyllm.entrypoints.server.responses import install_responses_routes
 from tinyllm.entrypoints.server.serving import OpenAIServing
 from tinyllm.entrypoints.server.ui import ChatPage
@@ -168,6 +171,10 @@ def create_app(
         return {"prompt": await run_in_threadpool(tokenizer.decode, req.tokens)}
 
     install_responses_routes(app, chat)
+    # Embeddings, rerank and score (a pooling model's; a generation model answers them 400).
+    pooling = PoolingServing(llm, engine_loop)
+    install_embedding_routes(app, chat, pooling)
+    install_rerank_routes(app, chat, pooling)
     return app
 
 
@@ -214,6 +221,11 @@ def serve(args: argparse.Namespace) -> None:
         "API key required" if args.api_key else "no API key",
         "? MB" if resident is None else f"{resident / 1e6:.0f} MB",
     )
+    if llm.engine.pooling is not None:
+        log.info(
+            "a pooling model: /v1/embeddings, /v1/rerank, /rerank, /score and /api/embed serve "
+            "it; the generation routes answer 400"
+        )
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         log.warning("serving on %s without an API key: whoever reaches it can use it", args.host)
     # Our handlers log one line per request; uvicorn's access log would be a second. On Ctrl-C,

@@ -1,0 +1,181 @@
+"""The pooling routes on the real server, through the official clients (openai, ollama,
+LangChain's OpenAIEmbeddings) and raw HTTP for bad input: embeddings against transformers'
+pooled hidden states, rerank order against transformers' yes/no scores, and each kind of
+model refusing the other's routes with a 400 while the server keeps serving."""
+
+import base64
+import struct
+from pathlib import Path
+
+import httpx
+import ollama
+import openai
+import pytest
+import torch
+
+from tests.http_server import serving
+from tinyllm import LLM
+from tinyllm.entrypoints.pooling import qwen3_reranker_prompt
+from tinyllm.entrypoints.server.app import create_app
+
+from .pooling_models import hf_pool, hf_yes_score, text, write_qwen3
+
+IDS = [[10, 11, 12, 13], [40, 41], [90, 10, 70, 20, 30]]
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    path = tmp_path_factory.mktemp("qwen3")
+    return path, write_qwen3(path)
+
+
+@pytest.fixture(scope="module")
+def embed_server(qwen3):
+    path, ref = qwen3
+    llm = LLM(str(path), dtype="float32", quantization="none", pooling="last", threads=1)
+    with serving(create_app(llm)) as url:
+        yield url, llm, ref
+
+
+def _close(got: list[float], want: torch.Tensor, dims: int | None = None) -> bool:
+    if dims is not None:
+        want = torch.nn.functional.normalize(want[:dims], dim=0)
+    return torch.cosine_similarity(torch.tensor(got), want, dim=0).item() >= 0.9999
+
+
+def test_openai_embeddings_float_base64_dimensions(embed_server) -> None:
+    url, llm, ref = embed_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    texts = [text(ids) for ids in IDS]
+    out = client.embeddings.create(model=llm.model_name, input=texts, encoding_format="float")
+    assert [d.index for d in out.data] == [0, 1, 2]
+    for d, ids in zip(out.data, IDS, strict=True):
+        assert _close(d.embedding, hf_pool(ref, ids, "last"))
+    assert out.usage.prompt_tokens == out.usage.total_tokens == sum(map(len, IDS))
+    # The client asks for base64 unless told otherwise, and decodes it.
+    plain = client.embeddings.create(model=llm.model_name, input=IDS, dimensions=16)
+    for d, ids in zip(plain.data, IDS, strict=True):
+        assert len(d.embedding) == 16 and _close(d.embedding, hf_pool(ref, ids, "last"), 16)
+    raw = httpx.post(
+        f"{url}/v1/embeddings", json={"input": IDS[0], "encoding_format": "base64"}
+    ).json()
+    packed = base64.b64decode(raw["data"][0]["embedding"])
+    assert _close(
+        list(struct.unpack(f"<{len(packed) // 4}f", packed)), hf_pool(ref, IDS[0], "last")
+    )
+
+
+def test_ollama_embed_and_legacy_embeddings(embed_server) -> None:
+    url, llm, ref = embed_server
+    client = ollama.Client(host=url)
+    out = client.embed(model=llm.model_name, input=[text(ids) for ids in IDS])
+    for got, ids in zip(out.embeddings, IDS, strict=True):
+        assert _close(got, hf_pool(ref, ids, "last"))
+    assert out.prompt_eval_count == sum(map(len, IDS))
+    legacy = client.embeddings(model=llm.model_name, prompt=text(IDS[0]))
+    unnormalized = ref.model(torch.tensor([IDS[0]]))[0][0, -1]
+    assert torch.allclose(torch.tensor(legacy.embedding), unnormalized, atol=1e-4)
+    with pytest.raises(ollama.ResponseError, match="not found"):
+        client.embed(model="other", input="w10")
+
+
+def test_langchain_openai_embeddings(embed_server) -> None:
+    from langchain_openai import OpenAIEmbeddings
+
+    url, llm, ref = embed_server
+    # check_embedding_ctx_length=False: texts, not tiktoken's token ids (another vocabulary).
+    emb = OpenAIEmbeddings(model=llm.model_name, base_url=f"{url}/v1", api_key="unused",
+                           check_embedding_ctx_length=False)  # fmt: skip
+    docs = emb.embed_documents([text(ids) for ids in IDS])
+    assert all(_close(d, hf_pool(ref, ids, "last")) for d, ids in zip(docs, IDS, strict=True))
+    assert _close(emb.embed_query(text(IDS[1])), hf_pool(ref, IDS[1], "last"))
+
+
+def test_bad_embedding_requests_get_400_naming_it(embed_server) -> None:
+    url, llm, _ = embed_server
+    cases = [
+        ({"input": []}, "at least one input"),
+        ({"input": [5] * 1025}, "context is 1024 tokens"),
+        ({"input": "w10", "dimensions": 65}, "embeddings have 64"),
+        ({"input": [[7, 500]]}, "outside the vocabulary"),
+        ({"input": "w10", "encoding_format": "int8"}, "encoding_format"),
+    ]
+    for body, message in cases:
+        r = httpx.post(f"{url}/v1/embeddings", json=body)
+        assert r.status_code == 400 and message in r.json()["error"]["message"], (body, r.text)
+    r = httpx.post(f"{url}/v1/embeddings", json={"input": "w10", "model": "other"})
+    assert r.status_code == 404 and "other" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/api/embed", json={"model": llm.model_name, "input": []})
+    assert r.status_code == 400 and "at least one input" in r.json()["error"]
+    # A pooling model refuses generation, in each dialect.
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "w10", "max_tokens": 2})
+    assert r.status_code == 400 and "does not generate" in r.json()["error"]["message"]
+    r = httpx.post(
+        f"{url}/api/generate", json={"model": llm.model_name, "prompt": "w10", "raw": True}
+    )
+    assert r.status_code == 400 and "does not generate" in r.json()["error"]
+    # Still serving, and every block given back.
+    r = httpx.post(f"{url}/v1/embeddings", json={"input": "w10 w11"})
+    assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 64
+    assert llm.engine.kv.pool.num_used == 0
+
+
+def test_embedding_model_reranks_by_cosine(embed_server) -> None:
+    url, _, ref = embed_server
+    query, documents = IDS[0], IDS[1:]
+    want = [
+        torch.dot(hf_pool(ref, query, "last"), hf_pool(ref, d, "last")).item() for d in documents
+    ]
+    body = {"query": text(query), "documents": [text(d) for d in documents]}
+    r = httpx.post(f"{url}/v1/rerank", json=body).json()
+    assert [x["index"] for x in r["results"]] == sorted(range(2), key=lambda i: -want[i])
+    for x in r["results"]:
+        assert x["relevance_score"] == pytest.approx(want[x["index"]], abs=1e-5)
+
+
+def test_rerank_and_score_order_matches_transformers(qwen3) -> None:
+    path, ref = qwen3
+    llm = LLM(str(path), dtype="float32", quantization="none", classifier_from_token="no,yes",
+              threads=1)  # fmt: skip
+    query, documents = "w10 w11 w12", ["w10 w11", "w40 w41 w42 w43", "w12", "w90 w10 w70"]
+    expected = [
+        hf_yes_score(ref, llm.tokenizer.encode(qwen3_reranker_prompt(query, d))) for d in documents
+    ]
+    order = sorted(range(4), key=lambda i: -expected[i])
+    with serving(create_app(llm)) as url:
+        for route in ("/v1/rerank", "/rerank"):
+            body = {"query": query, "documents": documents, "top_n": 3}
+            r = httpx.post(f"{url}{route}", json=body).json()
+            assert [x["index"] for x in r["results"]] == order[:3]
+            for x in r["results"]:
+                assert x["relevance_score"] == pytest.approx(expected[x["index"]], abs=1e-5)
+                assert x["document"]["text"] == documents[x["index"]]
+        r = httpx.post(f"{url}/rerank", json={"query": query, "documents": [{"text": "w12"}],
+                                              "return_documents": False}).json()  # fmt: skip
+        assert "document" not in r["results"][0]
+        assert r["results"][0]["relevance_score"] == pytest.approx(expected[2], abs=1e-5)
+        for route in ("/score", "/v1/score"):
+            r = httpx.post(f"{url}{route}", json={"text_1": query, "text_2": documents}).json()
+            assert [d["score"] for d in r["data"]] == pytest.approx(expected, abs=1e-5)
+        r = httpx.post(f"{url}/rerank", json={"query": query, "documents": []})
+        assert r.status_code == 400 and "at least one text" in r.json()["error"]["message"]
+        r = httpx.post(f"{url}/v1/embeddings", json={"input": "w10"})
+        assert r.status_code == 400 and "reranker" in r.json()["error"]["message"]
+    assert llm.engine.kv.pool.num_used == 0
+
+
+def test_generation_model_refuses_pooling_routes(qwen3) -> None:
+    path, _ = qwen3
+    llm = LLM(str(path), dtype="float32", quantization="none", threads=1)
+    with serving(create_app(llm)) as url:
+        for route, body in [
+            ("/v1/embeddings", {"input": "w10"}),
+            ("/rerank", {"query": "w10", "documents": ["w11"]}),
+            ("/score", {"text_1": "w10", "text_2": "w11"}),
+        ]:
+            r = httpx.post(f"{url}{route}", json=body)
+            assert r.status_code == 400 and "--pooling" in r.json()["error"]["message"], route
+        r = httpx.post(f"{url}/api/embed", json={"model": llm.model_name, "input": "w10"})
+        assert r.status_code == 400 and "--pooling" in r.json()["error"]
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "w10", "max_tokens": 2})
+        assert r.status_code == 200
