@@ -32,9 +32,11 @@ def random_blocks(shape: tuple[int, ...], qtype: Q, rng: np.random.Generator) ->
     """Random blocks of `qtype` for a weight of `shape`, as the file stores them."""
     blocks = rng.integers(0, 256, gguf.quants.quant_shape_to_byte_shape(shape, qtype), np.uint8)
     flat = blocks.reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1])
-    for at, size in FP16_FIELDS[qtype]:
+    for at, size in FP16_FIELDS.get(qtype, ()):
         values = (size * rng.uniform(0.5, 1.0, len(flat))).astype(np.float16)
         flat[:, at : at + 2] = values[:, None].view(np.uint8)
+    if qtype == Q.MXFP4:  # E8M0 scales 2^-8..2^-6: weights within about +-0.1, held exactly
+        flat[:, 0] = rng.integers(119, 122, len(flat))
     if qtype == Q.Q8_0:  # llama.cpp never writes the code -128 (tinyllm reads it as -127)
         codes = flat[:, 2:].view(np.int8)
         codes[codes == -128] = -127
