@@ -88,8 +88,8 @@ def test_config_reads_gpt_oss(checkpoint):
     assert c.softmax_after_topk and not c.norm_topk_prob
     assert (c.swiglu_limit, c.swiglu_alpha) == (0.5, 1.702)
     assert c.rope_scaling["rope_type"] == "yarn" and c.moe_intermediate_size == WIDTH
-    with pytest.raises(ValueError, match="tensor parallelism does not split gpt_oss"):
-        c.shard(2)
+    half = c.shard(2)  # tests/test_tensor_parallel_model.py runs it
+    assert (half.num_heads, half.num_kv_heads, half.moe_intermediate_size) == (2, 1, WIDTH // 2)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])

@@ -8,7 +8,9 @@ shard id (q, k, v; gate, up), from the checkpoint's separate tensors or from one
   width, so that its attention and its MLP's activation need nothing from another rank.
 - Row-parallel layers (o_proj, down_proj) split their input columns to match: each rank's
   product is a partial sum of the layer's output (adding them, an all-reduce, is the
-  tensor-parallel runtime's job).
+  tensor-parallel runtime's job). Their biases (gpt-oss's) are rank 0's alone, the other
+  ranks' are zeros: the all-reduce adds a bias once, as one process does.
+- Per-head parameters (gpt-oss's attention sinks) split as the query heads do.
 - A mixture-of-experts layer's experts split as the MLP does, each on its own: every rank holds
   its share of every expert's FFN width (gate_up_proj's rows, down_proj's columns), so the
   experts need no collective beyond the MLP's all-reduce. The router is replicated: each rank
@@ -28,6 +30,7 @@ bytes before anything is decoded (loaders/gguf.py, GGUFTensor).
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+import torch
 from tqdm import tqdm
 
 from tinyllm.loaders.stored import StoredTensor, Weight
@@ -37,6 +40,7 @@ from tinyllm.model.quant import GROUP, cat_rows
 
 # The dense MLP's down_proj and each expert's (mlp.experts.E.down_proj).
 ROW_PARALLEL = ("self_attn.o_proj", ".down_proj")
+HEAD_PARALLEL = "self_attn.sinks"
 Tensors = Mapping[str, StoredTensor]
 
 
@@ -90,6 +94,24 @@ class RowParallel(ParamLoader):
         what = f"{self.name}: its input columns"
         groups = f"groups of {self.unit} (the quantized formats')"
         return stored.read(cols=shard.part(what, stored.shape[1], self.unit, groups))
+
+
+@dataclass(frozen=True)
+class RankZero(ParamLoader):
+    """A row-parallel layer's bias: rank 0's, zeros on the other ranks."""
+
+    def load(self, tensors: Tensors, shard: Shard) -> Weight:
+        bias = tensors[self.name].read()
+        return bias if shard.rank == 0 else torch.zeros_like(bias)
+
+
+@dataclass(frozen=True)
+class HeadParallel(ParamLoader):
+    """A parameter with one entry per query head: the rank's heads' entries."""
+
+    def load(self, tensors: Tensors, shard: Shard) -> Weight:
+        stored = tensors[self.name]
+        return stored.read(shard.part(f"{self.name}: its heads", stored.shape[0]))
 
 
 @dataclass(frozen=True)
@@ -155,8 +177,10 @@ def param_loader(name: str, config: ModelConfig, quantized: bool) -> ParamLoader
                 for hf, n in zip(separate, rows[own], strict=True)
             )
             return ColumnParallel(name, parts)
-    if module.endswith(ROW_PARALLEL) and kind == "weight":
-        return RowParallel(name, GROUP if quantized else 1)
+    if module.endswith(ROW_PARALLEL):
+        return RowParallel(name, GROUP if quantized else 1) if kind == "weight" else RankZero(name)
+    if name.endswith(HEAD_PARALLEL):
+        return HeadParallel(name)
     return ParamLoader(name)
 
 

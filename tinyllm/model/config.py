@@ -176,11 +176,6 @@ class ModelConfig:
                 f"tensor parallelism does not split {self.architecture}: its q/k norms span all "
                 "heads, so each rank's heads would need the others' to normalise"
             )
-        if self.attention_sinks or self.o_proj_bias or self.moe_bias:
-            raise ValueError(
-                f"tensor parallelism does not split {self.architecture}: its o_proj and experts' "
-                "down_proj biases would be added once per rank, its sinks split by head"
-            )
         split = {
             "num_heads": self.num_heads,
             "num_kv_heads": self.num_kv_heads,

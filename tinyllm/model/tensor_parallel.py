@@ -23,10 +23,9 @@ and world size; the split is loaders/sharding.py's, Megatron-LM's):
   says why: splitting them by vocabulary would save each rank vocab x hidden of memory but add
   an all-reduce of the embeddings and a gather of the logits to every step). Sampling happens
   on rank 0 only; the other ranks' logits are the same and go unused.
-- Biases: o_proj and down_proj have none in these models (model/layers.py builds them without
-  one, and the loader refuses a checkpoint that has one as an unexpected tensor), so nothing
-  would be added once per rank where it should be added once. Qwen2's q/k/v biases are
-  column-parallel: each rank adds its own heads' part.
+- Biases: Qwen2's q/k/v biases are column-parallel: each rank adds its own heads' part.
+  gpt-oss's o_proj and experts' down_proj biases are rank 0's alone (the other ranks hold
+  zeros), so the all-reduce adds each once; its attention sinks split with the heads.
 
 A model that runs in one process never gets here: its hooks stay None, and a layer's cost is a
 None check on each of its two outputs.
