@@ -79,6 +79,28 @@ def test_ollama_embed_and_legacy_embeddings(embed_server) -> None:
         client.embed(model="other", input="w10")
 
 
+def test_over_long_inputs_keep_ollamas_first_tokens_and_vllms_last(embed_server) -> None:
+    """The context is 1024 tokens. Ollama's /api/embed truncates an input to its first tokens
+    (and with truncate false refuses it, in Ollama's words); vLLM's truncate_prompt_tokens on
+    /v1/embeddings keeps the last."""
+    url, llm, ref = embed_server
+    long = [7 + (i * 37) % 89 for i in range(1030)]
+    client = ollama.Client(host=url)
+    out = client.embed(model=llm.model_name, input=["w10", text(long)])
+    assert _close(out.embeddings[1], hf_pool(ref, long[:1024], "last"))
+    assert not _close(out.embeddings[1], hf_pool(ref, long[-1024:], "last"))
+    assert out.prompt_eval_count == 1 + 1024
+    with pytest.raises(ollama.ResponseError) as refused:
+        client.embed(model=llm.model_name, input=["w10", text(long)], truncate=False)
+    assert refused.value.status_code == 400
+    assert "input length exceeds maximum context length" in refused.value.error
+    assert "input[1] is 1030 tokens, the context is 1024" in refused.value.error
+    body = {"input": long, "truncate_prompt_tokens": 1024}
+    r = httpx.post(f"{url}/v1/embeddings", json=body).json()
+    assert _close(r["data"][0]["embedding"], hf_pool(ref, long[-1024:], "last"))
+    assert r["usage"]["prompt_tokens"] == 1024
+
+
 def test_langchain_openai_embeddings(embed_server) -> None:
     from langchain_openai import OpenAIEmbeddings
 

@@ -49,7 +49,7 @@ class ScoreRequest(_Request):
 class OllamaEmbedRequest(_Request):
     model: str | None = None
     input: str | list[str]
-    truncate: bool = True  # cut an input to the context (its last tokens), else an error
+    truncate: bool = True  # keep an input's first tokens that fit (Ollama's), else an error
     dimensions: Count | None = None
     options: dict | None = None
     keep_alive: str | int | float | None = None
