@@ -21,8 +21,9 @@ from tinyllm.engine.step_message import ModelRunnerOutput
 from tinyllm.engine.worker.model_runner import kv_bytes_per_token
 from tinyllm.entrypoints.cli import main
 from tinyllm.entrypoints.pooling import qwen3_reranker_prompt
+from tinyllm.model.config import ModelLoadError
 
-from .pooling_models import hf_pool, hf_yes_score, text, write_qwen3
+from .pooling_models import hf_pool, hf_yes_score, text, write_qwen3, write_qwen3_embedding
 
 
 @pytest.fixture(scope="module")
@@ -245,3 +246,9 @@ def test_a_prompt_preempted_mid_prefill_pools_as_alone(qwen3, how: str) -> None:
         assert torch.allclose(out.pooled, want, atol=1e-5)
         cosine = torch.cosine_similarity(out.pooled, hf_pool(ref, p, how), dim=0).item()
         assert cosine >= 0.9999
+
+
+def test_a_default_prompt_the_prompts_lack_is_refused_at_load(tmp_path) -> None:
+    write_qwen3_embedding(tmp_path, {"query": "w30 "}, default_prompt_name="passage")
+    with pytest.raises(ModelLoadError, match="default_prompt_name 'passage' is not one of"):
+        LLM(str(tmp_path), dtype="float32", quantization="none", threads=1)

@@ -18,7 +18,7 @@ from tinyllm import LLM
 from tinyllm.entrypoints.pooling import qwen3_reranker_prompt
 from tinyllm.entrypoints.server.app import create_app
 
-from .pooling_models import hf_pool, hf_yes_score, text, write_qwen3
+from .pooling_models import hf_pool, hf_yes_score, text, write_qwen3, write_qwen3_embedding
 
 IDS = [[10, 11, 12, 13], [40, 41], [90, 10, 70, 20, 30]]
 
@@ -201,3 +201,42 @@ def test_generation_model_refuses_pooling_routes(qwen3) -> None:
         assert r.status_code == 400 and "--pooling" in r.json()["error"]
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "w10", "max_tokens": 2})
         assert r.status_code == 200
+
+
+def test_sentence_transformers_prompts_as_its_encode(tmp_path) -> None:
+    """A Qwen3-Embedding-like directory's prompts (config_sentence_transformers.json): the
+    default prompt before every text, `prompt_name` or `prompt` instead, on LLM.embed and the
+    embedding routes, against sentence-transformers' encode of the same directory."""
+    from sentence_transformers import SentenceTransformer
+
+    prompts = {"query": "w30 w31 w32 ", "document": "w40 "}
+    write_qwen3_embedding(tmp_path, prompts, default_prompt_name="document")
+    st = SentenceTransformer(str(tmp_path), device="cpu")
+    llm = LLM(str(tmp_path), dtype="float32", quantization="none", threads=1)
+    texts = ["w10 w11 w12", "w50 w51"]
+    cases = [{}, {"prompt_name": "query"}, {"prompt": "w60 w61 "}, {"prompt": ""}]
+    found = []
+    for kwargs in cases:
+        want = torch.tensor(st.encode(texts, **kwargs))
+        got = torch.tensor(
+            [o.outputs.embedding for o in llm.embed(texts, use_tqdm=False, **kwargs)]
+        )
+        assert torch.cosine_similarity(got, want, dim=1).min().item() >= 0.9999, kwargs
+        found.append(got)
+    # Each prompt changes the vectors: none of them is lost on the way.
+    assert all(not torch.allclose(found[0], other, atol=1e-3) for other in found[1:])
+    with pytest.raises(ValueError, match="prompt_name='passage' is not one of this model's"):
+        llm.embed("w10", prompt_name="passage", use_tqdm=False)
+    want = torch.tensor(st.encode(texts, prompt_name="query"))
+    with serving(create_app(llm)) as url:
+        r = httpx.post(f"{url}/v1/embeddings", json={"input": texts, "prompt_name": "query"})
+        got = torch.tensor([d["embedding"] for d in r.json()["data"]])
+        assert torch.cosine_similarity(got, want, dim=1).min().item() >= 0.9999
+        body = {"model": llm.model_name, "input": texts, "prompt_name": "query"}
+        got = torch.tensor(httpx.post(f"{url}/api/embed", json=body).json()["embeddings"])
+        assert torch.cosine_similarity(got, want, dim=1).min().item() >= 0.9999
+        r = httpx.post(f"{url}/v1/embeddings", json={"input": texts[0]})  # the default prompt
+        assert _close(r.json()["data"][0]["embedding"], found[0][0])
+        r = httpx.post(f"{url}/v1/embeddings", json={"input": "w10", "prompt_name": "passage"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_name"
+        assert "query, document" in r.json()["error"]["message"]

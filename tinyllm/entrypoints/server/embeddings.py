@@ -60,7 +60,8 @@ def install_embedding_routes(app: FastAPI, chat: ChatServing, pooling: PoolingSe
         params = PoolingParams(
             dimensions=req.dimensions, truncate_prompt_tokens=req.truncate_prompt_tokens
         )
-        results = await pooling.run(pooling.token_ids(req.input, "input"), params, "input")
+        prompts = pooling.token_ids(req.input, "input", req.prompt_name)
+        results = await pooling.run(prompts, params, "input")
         tokens = sum(len(ids) for ids, _ in results)
         data = [
             {"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
@@ -81,7 +82,8 @@ def install_embedding_routes(app: FastAPI, chat: ChatServing, pooling: PoolingSe
         check_ollama_model(req.model)
         spec = pooling.check("input")
         fits = min(spec.max_model_len, spec.whole_prompt_tokens or spec.max_model_len)
-        prompts = _ollama_fit(pooling.token_ids(req.input, "input"), fits, req.truncate)
+        prompts = pooling.token_ids(req.input, "input", req.prompt_name)
+        prompts = _ollama_fit(prompts, fits, req.truncate)
         # Ollama's embeddings are normalized.
         params = PoolingParams(dimensions=req.dimensions, normalize=True)
         results = await pooling.run(prompts, params, "input")

@@ -33,8 +33,15 @@ class PoolingServing:
             raise APIError(400, _NOT_POOLING, param=param)
         return self.spec
 
-    def token_ids(self, inputs: str | list, param: str) -> list[tuple[str | None, list[int]]]:
-        """OpenAI's `input`: a text, token ids, or a list of either, as (text, token ids)."""
+    def token_ids(
+        self, inputs: str | list, param: str, prompt_name: str | None = None
+    ) -> list[tuple[str | None, list[int]]]:
+        """OpenAI's `input`: a text, token ids, or a list of either, as (text, token ids); each
+        text after the model's prompt named `prompt_name` (or its default prompt)."""
+        try:
+            prefix = self.check(param).prompt(prompt_name)
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt_name") from e
         if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
             inputs = [inputs]
         if not inputs:
@@ -42,7 +49,9 @@ class PoolingServing:
         if len(inputs) > MAX_INPUTS:
             raise APIError(400, f"{param}: {len(inputs)} inputs, over {MAX_INPUTS}", param=param)
         return [
-            (x, encode(self.tokenizer, x, True, param)) if isinstance(x, str) else (None, x)
+            (x, encode(self.tokenizer, prefix + x, True, param))
+            if isinstance(x, str)
+            else (None, x)
             for x in inputs
         ]
 
