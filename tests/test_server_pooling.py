@@ -21,6 +21,7 @@ from tinyllm.entrypoints.server.app import create_app
 from .pooling_models import hf_pool, hf_yes_score, text, write_qwen3, write_qwen3_embedding
 
 IDS = [[10, 11, 12, 13], [40, 41], [90, 10, 70, 20, 30]]
+LONG = " ".join(["w10"] * 1100)  # over the context of 1024 tokens
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +182,9 @@ def test_rerank_and_score_order_matches_transformers(qwen3) -> None:
             assert [d["score"] for d in r["data"]] == pytest.approx(expected, abs=1e-5)
         r = httpx.post(f"{url}/rerank", json={"query": query, "documents": []})
         assert r.status_code == 400 and "at least one text" in r.json()["error"]["message"]
+        r = httpx.post(f"{url}/rerank", json={"query": query, "documents": ["w12", LONG]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "documents"
+        assert r.json()["error"]["message"].startswith("documents[1]: input is 11")
         r = httpx.post(f"{url}/v1/embeddings", json={"input": "w10"})
         assert r.status_code == 400 and "reranker" in r.json()["error"]["message"]
     assert llm.engine.kv.pool.num_used == 0
@@ -240,3 +244,66 @@ def test_sentence_transformers_prompts_as_its_encode(tmp_path) -> None:
         r = httpx.post(f"{url}/v1/embeddings", json={"input": "w10", "prompt_name": "passage"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_name"
         assert "query, document" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "route,body,where",
+    [
+        ("/v1/embeddings", {"input": ["w10", ""]}, "input[1]: the input is empty"),
+        ("/v1/embeddings", {"input": ["w10"] * 2049}, "input: 2049 inputs, over 2048"),
+        ("/v1/rerank", {"query": "w10", "documents": ["w11", LONG]}, "documents[1]: input is 1100"),
+        ("/rerank", {"query": "", "documents": ["w11"]}, "query: the input is empty"),
+        ("/rerank", {"query": "w10", "documents": []}, "at least one text on each side"),
+        ("/score", {"text_1": LONG, "text_2": ["w11", "w12"]}, "text_1: input is 1100 tokens"),
+        ("/v1/score", {"text_1": ["w1", "w2"], "text_2": ["w1", ""]}, "text_2[1]: the input is"),
+        ("/v1/score", {"text_1": [], "text_2": "w11"}, "at least one text on each side"),
+        ("/api/embed", {"input": []}, "input: give at least one input"),
+        ("/api/embed", {"input": "w10 " * 1100, "truncate": False}, "the context is 1024"),
+        ("/api/embeddings", {"prompt": ""}, "prompt: the input is empty"),
+    ],
+)
+def test_bad_pooling_input_gets_400_naming_it(embed_server, route, body, where) -> None:
+    """Every pooling route refuses bad input (empty, too many, too long) with a 400 that names
+    the input and the limit, in its dialect's shape, and goes on serving."""
+    url, llm, ref = embed_server
+    ollama_route = route.startswith("/api/")
+    if ollama_route:
+        body = body | {"model": llm.model_name}
+    r = httpx.post(f"{url}{route}", json=body)
+    message = r.json()["error"] if ollama_route else r.json()["error"]["message"]
+    assert r.status_code == 400 and where in message, r.text
+    if not ollama_route:
+        assert message.startswith(r.json()["error"]["param"]) or "each side" in message
+    r = httpx.post(f"{url}/v1/embeddings", json={"input": "w10 w11"})
+    assert _close(r.json()["data"][0]["embedding"], hf_pool(ref, [10, 11], "last"))
+    assert llm.engine.kv.pool.num_used == 0
+
+
+@pytest.mark.parametrize(
+    "route,body",
+    [
+        ("/v1/embeddings", {"input": "w10"}),
+        ("/v1/rerank", {"query": "w10", "documents": ["w11"]}),
+        ("/rerank", {"query": "w10", "documents": ["w11"]}),
+        ("/score", {"text_1": "w10", "text_2": "w11"}),
+        ("/v1/score", {"text_1": "w10", "text_2": "w11"}),
+        ("/api/embed", {"input": "w10"}),
+        ("/api/embeddings", {"prompt": "w10"}),
+    ],
+)
+def test_an_unknown_model_is_404_on_every_pooling_route(embed_server, route, body) -> None:
+    """As /v1/chat/completions answers (and OpenAI, vLLM and Ollama): 404, in each dialect's
+    shape, OpenAI's with code model_not_found."""
+    url, llm, _ = embed_server
+    messages = [{"role": "user", "content": "w10"}]
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"model": "other", "messages": messages})
+    r = httpx.post(f"{url}{route}", json=body | {"model": "other"})
+    assert r.status_code == chat.status_code == 404
+    if route.startswith("/api/"):
+        assert r.json() == {"error": "model 'other' not found"}
+    else:
+        assert r.json()["error"] | {"message": ""} == chat.json()["error"] | {"message": ""}
+        assert "`other` does not exist" in r.json()["error"]["message"]
+        assert r.json()["error"]["code"] == "model_not_found"
+    name = f"{llm.model_name}:latest" if route.startswith("/api/") else llm.model_name
+    assert httpx.post(f"{url}{route}", json=body | {"model": name}).status_code == 200

@@ -73,9 +73,14 @@ class PoolingServing:
             raise APIError(400, str(e), param=param) from e
 
     async def run(
-        self, prompts: list[tuple[str | None, list[int]]], params: PoolingParams, param: str
+        self,
+        prompts: list[tuple[str | None, list[int]]],
+        params: PoolingParams,
+        param: str,
+        names: list[str] | None = None,
     ) -> list[tuple[list[int], torch.Tensor]]:
-        """Each input's token ids as run (truncated) and its pooled vector, in input order."""
+        """Each input's token ids as run (truncated) and its pooled vector, in input order.
+        An input refused is named by `names` (its place in the request), else as `param`'s."""
         self.check(param)
         checked = []
         for i, (_, ids) in enumerate(prompts):
@@ -83,7 +88,8 @@ class PoolingServing:
                 checked.append(self.validator.validate_pooling(ids, params))
             except ValueError as e:
                 where = param if len(prompts) == 1 else f"{param}[{i}]"
-                raise APIError(400, f"{where}: {e}", param=param) from e
+                where = names[i] if names else where
+                raise APIError(400, f"{where}: {e}", param=where.partition("[")[0]) from e
         base = f"pool-{uuid.uuid4().hex}"
         requests = [(f"{base}-{i}", ids, params) for i, ids in enumerate(checked)]
         stream = self.loop.submit(requests)
