@@ -60,7 +60,7 @@ class PoolingSpec:
     max_model_len: int
     whole_prompt_tokens: int | None  # non-causal: a prompt runs in one step of this budget
     # sentence-transformers' named prompts and the default one's name (ModelConfig's).
-    prompts: dict[str, str] = field(default_factory=dict)
+    prompts: dict[str, str] = field(default_factory=dict, hash=False)
     default_prompt_name: str | None = None
 
     def prompt(self, prompt_name: str | None = None, prompt: str | None = None) -> str:
