@@ -87,8 +87,7 @@ class PoolingServing:
             try:
                 checked.append(self.validator.validate_pooling(ids, params))
             except ValueError as e:
-                where = param if len(prompts) == 1 else f"{param}[{i}]"
-                where = names[i] if names else where
+                where = names[i] if names else param if len(prompts) == 1 else f"{param}[{i}]"
                 raise APIError(400, f"{where}: {e}", param=where.partition("[")[0]) from e
         base = f"pool-{uuid.uuid4().hex}"
         requests = [(f"{base}-{i}", ids, params) for i, ids in enumerate(checked)]
