@@ -15,6 +15,7 @@ import torch
 
 from tests.http_server import serving
 from tinyllm import LLM
+from tinyllm.entrypoints.cli import main
 from tinyllm.entrypoints.pooling import qwen3_reranker_prompt
 from tinyllm.entrypoints.server.app import create_app
 
@@ -207,10 +208,11 @@ def test_generation_model_refuses_pooling_routes(qwen3) -> None:
         assert r.status_code == 200
 
 
-def test_sentence_transformers_prompts_as_its_encode(tmp_path) -> None:
+def test_sentence_transformers_prompts_as_its_encode(tmp_path, capsys) -> None:
     """A Qwen3-Embedding-like directory's prompts (config_sentence_transformers.json): the
     default prompt before every text, `prompt_name` or `prompt` instead, on LLM.embed and the
-    embedding routes, against sentence-transformers' encode of the same directory."""
+    embedding routes and `tinyllm embed`, against sentence-transformers' encode of the same
+    directory."""
     from sentence_transformers import SentenceTransformer
 
     prompts = {"query": "w30 w31 w32 ", "document": "w40 "}
@@ -244,6 +246,11 @@ def test_sentence_transformers_prompts_as_its_encode(tmp_path) -> None:
         r = httpx.post(f"{url}/v1/embeddings", json={"input": "w10", "prompt_name": "passage"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_name"
         assert "query, document" in r.json()["error"]["message"]
+    flags = ["--model", str(tmp_path), "--dtype", "float32", "--quantization", "none"]
+    assert main(["embed", *flags, "--threads", "1", "--show", "2", "--prompt-name", "query",
+                 texts[0]]) == 0  # fmt: skip
+    first = ", ".join(f"{x:.4f}" for x in want[0][:2].tolist())
+    assert capsys.readouterr().out.strip() == f"[0] 6 tokens, 64 dims, norm 1.0000: [{first}, ...]"
 
 
 @pytest.mark.parametrize(
