@@ -62,3 +62,31 @@ def hf_yes_score(model: transformers.PreTrainedModel, ids: list[int]) -> float:
     logits = model(torch.tensor([ids])).logits[0, -1]
     no, yes = WORDS.index("no"), WORDS.index("yes")
     return torch.stack([logits[no], logits[yes]]).log_softmax(0)[1].exp().item()
+
+
+def write_qwen3_embedding(
+    path: Path, prompts: dict[str, str], default_prompt_name: str | None
+) -> transformers.PreTrainedModel:
+    """A random Qwen3 laid out as Qwen3-Embedding's directory is: the causal LM checkpoint,
+    sentence-transformers' modules (last-token Pooling, Normalize) and its prompts."""
+    model = write_qwen3(path)
+    modules = [("", "Transformer"), ("1_Pooling", "Pooling"), ("2_Normalize", "Normalize")]
+    (path / "modules.json").write_text(
+        json.dumps(
+            [
+                {"idx": i, "name": str(i), "path": p, "type": f"sentence_transformers.models.{t}"}
+                for i, (p, t) in enumerate(modules)
+            ]
+        )
+    )
+    (path / "1_Pooling").mkdir()
+    pooling = {"word_embedding_dimension": model.config.hidden_size, "pooling_mode_lasttoken": True}
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    (path / "2_Normalize").mkdir()
+    (path / "config_sentence_transformers.json").write_text(
+        json.dumps(
+            {"prompts": prompts, "default_prompt_name": default_prompt_name}
+            | {"similarity_fn_name": "cosine"}
+        )
+    )
+    return model

@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from sentence_transformers import SentenceTransformer
 
+from tests.encoder_runs import write_encoder
+from tests.engine_runs import engine_on, run_all
 from tinyllm import LLM
 from tinyllm.engine.pooling_params import PoolingParams, PoolingSpec
 from tinyllm.engine.sampling_params import SamplingParams
@@ -15,10 +18,12 @@ from tinyllm.engine.sched.kv_cache_manager import KVCacheManager
 from tinyllm.engine.sched.request import Request
 from tinyllm.engine.sched.scheduler import Scheduler
 from tinyllm.engine.step_message import ModelRunnerOutput
+from tinyllm.engine.worker.model_runner import kv_bytes_per_token
 from tinyllm.entrypoints.cli import main
 from tinyllm.entrypoints.pooling import qwen3_reranker_prompt
+from tinyllm.model.config import ModelLoadError
 
-from .pooling_models import hf_pool, hf_yes_score, text, write_qwen3
+from .pooling_models import hf_pool, hf_yes_score, text, write_qwen3, write_qwen3_embedding
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +192,63 @@ def test_bench_embed_agrees_with_sentence_transformers(qwen3, capsys) -> None:
     assert "tinyllm: " in out and "sentence-transformers: " in out and "ratio: " in out
     cosine = float(out.split("cosine to sentence-transformers: min ")[1].split(",")[0])
     assert cosine >= 0.9999
+
+
+def _kv_bytes(llm: LLM) -> int:
+    return sum(t.numel() * t.element_size() for pair in llm.engine.runner.kv_caches for t in pair)
+
+
+def test_an_encoder_holds_no_kv_memory_and_a_decoder_does(qwen3, tmp_path) -> None:
+    """An encoder's prompts run whole and keep no K/V: its runner allocates none, and its pool
+    is bookkeeping as large as max_num_seqs prompts of its context need; a decoder embedding
+    model keeps K/V between its prompt's chunks."""
+    write_encoder(tmp_path / "bert", "bert")
+    encoder = LLM(str(tmp_path / "bert"), dtype="float32", quantization="none", threads=1)
+    assert _kv_bytes(encoder) == 0
+    engine = encoder.engine
+    assert engine.kv.num_blocks * engine.kv.block_size >= engine.config.max_num_seqs * 512
+    texts = ["w4 w5 w6", "w10 w11"]
+    want = SentenceTransformer(str(tmp_path / "bert"), device="cpu").encode(texts)
+    got = torch.tensor([o.outputs.embedding for o in encoder.embed(texts, use_tqdm=False)])
+    assert torch.cosine_similarity(got, torch.tensor(want), dim=1).min().item() >= 0.9999
+    decoder = LLM(str(qwen3[0]), dtype="float32", quantization="none", pooling="mean",
+                  threads=1)  # fmt: skip
+    per_block = kv_bytes_per_token(decoder.engine.model) * decoder.engine.kv.block_size
+    assert per_block > 0 and _kv_bytes(decoder) >= decoder.engine.kv.num_blocks * per_block
+
+
+@pytest.mark.parametrize("how", ["mean", "last", "cls"])
+def test_a_prompt_preempted_mid_prefill_pools_as_alone(qwen3, how: str) -> None:
+    """A pooling prompt preempted after some of its chunks ran is recomputed from its start in
+    other chunks, and pools what it pools alone: its shares before the preemption are dropped,
+    none counted twice. Pooling prompts alone never run out of blocks (admission keeps room
+    for the next chunk, and a prompt ends in the step it reaches its end), so each prompt is
+    refused blocks once when 12 of its tokens are computed, as a pool shared with other work
+    would: the second prompt ran 0-4 and 4-12 and is recomputed in chunks 0-8, 8-16, 16-22."""
+    path, ref = qwen3
+    llm = LLM(str(path), dtype="float32", quantization="none", pooling=how, threads=1)
+    prompts = _prompts(20, 22, 18)
+    alone = [run_all(engine_on(llm), [p], PoolingParams())[0].pooled for p in prompts]
+    engine = engine_on(llm, num_blocks=8, block_size=4, max_num_batched_tokens=8)
+    allocate, refused = engine.kv.allocate, set()
+
+    def refuse_once(request, n: int) -> bool:
+        if request.num_computed_tokens >= 12 and request.request_id not in refused:
+            refused.add(request.request_id)
+            return False
+        return allocate(request, n)
+
+    engine.kv.allocate = refuse_once
+    outputs = run_all(engine, prompts, PoolingParams())
+    stats = engine.stats()
+    assert stats.num_preemptions == len(refused) >= 2 and stats.recomputed_tokens > 0
+    for out, want, p in zip(outputs, alone, prompts, strict=True):
+        assert torch.allclose(out.pooled, want, atol=1e-5)
+        cosine = torch.cosine_similarity(out.pooled, hf_pool(ref, p, how), dim=0).item()
+        assert cosine >= 0.9999
+
+
+def test_a_default_prompt_the_prompts_lack_is_refused_at_load(tmp_path) -> None:
+    write_qwen3_embedding(tmp_path, {"query": "w30 "}, default_prompt_name="passage")
+    with pytest.raises(ModelLoadError, match="default_prompt_name 'passage' is not one of"):
+        LLM(str(tmp_path), dtype="float32", quantization="none", threads=1)

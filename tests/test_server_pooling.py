@@ -15,12 +15,14 @@ import torch
 
 from tests.http_server import serving
 from tinyllm import LLM
+from tinyllm.entrypoints.cli import main
 from tinyllm.entrypoints.pooling import qwen3_reranker_prompt
 from tinyllm.entrypoints.server.app import create_app
 
-from .pooling_models import hf_pool, hf_yes_score, text, write_qwen3
+from .pooling_models import hf_pool, hf_yes_score, text, write_qwen3, write_qwen3_embedding
 
 IDS = [[10, 11, 12, 13], [40, 41], [90, 10, 70, 20, 30]]
+LONG = " ".join(["w10"] * 1100)  # over the context of 1024 tokens
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +79,28 @@ def test_ollama_embed_and_legacy_embeddings(embed_server) -> None:
     assert torch.allclose(torch.tensor(legacy.embedding), unnormalized, atol=1e-4)
     with pytest.raises(ollama.ResponseError, match="not found"):
         client.embed(model="other", input="w10")
+
+
+def test_over_long_inputs_keep_ollamas_first_tokens_and_vllms_last(embed_server) -> None:
+    """The context is 1024 tokens. Ollama's /api/embed truncates an input to its first tokens
+    (and with truncate false refuses it, in Ollama's words); vLLM's truncate_prompt_tokens on
+    /v1/embeddings keeps the last."""
+    url, llm, ref = embed_server
+    long = [7 + (i * 37) % 89 for i in range(1030)]
+    client = ollama.Client(host=url)
+    out = client.embed(model=llm.model_name, input=["w10", text(long)])
+    assert _close(out.embeddings[1], hf_pool(ref, long[:1024], "last"))
+    assert not _close(out.embeddings[1], hf_pool(ref, long[-1024:], "last"))
+    assert out.prompt_eval_count == 1 + 1024
+    with pytest.raises(ollama.ResponseError) as refused:
+        client.embed(model=llm.model_name, input=["w10", text(long)], truncate=False)
+    assert refused.value.status_code == 400
+    assert "input length exceeds maximum context length" in refused.value.error
+    assert "input[1] is 1030 tokens, the context is 1024" in refused.value.error
+    body = {"input": long, "truncate_prompt_tokens": 1024}
+    r = httpx.post(f"{url}/v1/embeddings", json=body).json()
+    assert _close(r["data"][0]["embedding"], hf_pool(ref, long[-1024:], "last"))
+    assert r["usage"]["prompt_tokens"] == 1024
 
 
 def test_langchain_openai_embeddings(embed_server) -> None:
@@ -159,6 +183,9 @@ def test_rerank_and_score_order_matches_transformers(qwen3) -> None:
             assert [d["score"] for d in r["data"]] == pytest.approx(expected, abs=1e-5)
         r = httpx.post(f"{url}/rerank", json={"query": query, "documents": []})
         assert r.status_code == 400 and "at least one text" in r.json()["error"]["message"]
+        r = httpx.post(f"{url}/rerank", json={"query": query, "documents": ["w12", LONG]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "documents"
+        assert r.json()["error"]["message"].startswith("documents[1]: input is 11")
         r = httpx.post(f"{url}/v1/embeddings", json={"input": "w10"})
         assert r.status_code == 400 and "reranker" in r.json()["error"]["message"]
     assert llm.engine.kv.pool.num_used == 0
@@ -179,3 +206,111 @@ def test_generation_model_refuses_pooling_routes(qwen3) -> None:
         assert r.status_code == 400 and "--pooling" in r.json()["error"]
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "w10", "max_tokens": 2})
         assert r.status_code == 200
+
+
+def test_sentence_transformers_prompts_as_its_encode(tmp_path, capsys) -> None:
+    """A Qwen3-Embedding-like directory's prompts (config_sentence_transformers.json): the
+    default prompt before every text, `prompt_name` or `prompt` instead, on LLM.embed and the
+    embedding routes and `tinyllm embed`, against sentence-transformers' encode of the same
+    directory."""
+    from sentence_transformers import SentenceTransformer
+
+    prompts = {"query": "w30 w31 w32 ", "document": "w40 "}
+    write_qwen3_embedding(tmp_path, prompts, default_prompt_name="document")
+    st = SentenceTransformer(str(tmp_path), device="cpu")
+    llm = LLM(str(tmp_path), dtype="float32", quantization="none", threads=1)
+    texts = ["w10 w11 w12", "w50 w51"]
+    cases = [{}, {"prompt_name": "query"}, {"prompt": "w60 w61 "}, {"prompt": ""}]
+    found = []
+    for kwargs in cases:
+        want = torch.tensor(st.encode(texts, **kwargs))
+        got = torch.tensor(
+            [o.outputs.embedding for o in llm.embed(texts, use_tqdm=False, **kwargs)]
+        )
+        assert torch.cosine_similarity(got, want, dim=1).min().item() >= 0.9999, kwargs
+        found.append(got)
+    # Each prompt changes the vectors: none of them is lost on the way.
+    assert all(not torch.allclose(found[0], other, atol=1e-3) for other in found[1:])
+    with pytest.raises(ValueError, match="prompt_name='passage' is not one of this model's"):
+        llm.embed("w10", prompt_name="passage", use_tqdm=False)
+    want = torch.tensor(st.encode(texts, prompt_name="query"))
+    with serving(create_app(llm)) as url:
+        r = httpx.post(f"{url}/v1/embeddings", json={"input": texts, "prompt_name": "query"})
+        got = torch.tensor([d["embedding"] for d in r.json()["data"]])
+        assert torch.cosine_similarity(got, want, dim=1).min().item() >= 0.9999
+        body = {"model": llm.model_name, "input": texts, "prompt_name": "query"}
+        got = torch.tensor(httpx.post(f"{url}/api/embed", json=body).json()["embeddings"])
+        assert torch.cosine_similarity(got, want, dim=1).min().item() >= 0.9999
+        r = httpx.post(f"{url}/v1/embeddings", json={"input": texts[0]})  # the default prompt
+        assert _close(r.json()["data"][0]["embedding"], found[0][0])
+        r = httpx.post(f"{url}/v1/embeddings", json={"input": "w10", "prompt_name": "passage"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_name"
+        assert "query, document" in r.json()["error"]["message"]
+    flags = ["--model", str(tmp_path), "--dtype", "float32", "--quantization", "none"]
+    assert main(["embed", *flags, "--threads", "1", "--show", "2", "--prompt-name", "query",
+                 texts[0]]) == 0  # fmt: skip
+    first = ", ".join(f"{x:.4f}" for x in want[0][:2].tolist())
+    assert capsys.readouterr().out.strip() == f"[0] 6 tokens, 64 dims, norm 1.0000: [{first}, ...]"
+
+
+@pytest.mark.parametrize(
+    "route,body,where",
+    [
+        ("/v1/embeddings", {"input": ["w10", ""]}, "input[1]: the input is empty"),
+        ("/v1/embeddings", {"input": ["w10"] * 2049}, "input: 2049 inputs, over 2048"),
+        ("/v1/rerank", {"query": "w10", "documents": ["w11", LONG]}, "documents[1]: input is 1100"),
+        ("/rerank", {"query": "", "documents": ["w11"]}, "query: the input is empty"),
+        ("/rerank", {"query": "w10", "documents": []}, "at least one text on each side"),
+        ("/score", {"text_1": LONG, "text_2": ["w11", "w12"]}, "text_1: input is 1100 tokens"),
+        ("/v1/score", {"text_1": ["w1", "w2"], "text_2": ["w1", ""]}, "text_2[1]: the input is"),
+        ("/v1/score", {"text_1": [], "text_2": "w11"}, "at least one text on each side"),
+        ("/api/embed", {"input": []}, "input: give at least one input"),
+        ("/api/embed", {"input": "w10 " * 1100, "truncate": False}, "the context is 1024"),
+        ("/api/embeddings", {"prompt": ""}, "prompt: the input is empty"),
+    ],
+)
+def test_bad_pooling_input_gets_400_naming_it(embed_server, route, body, where) -> None:
+    """Every pooling route refuses bad input (empty, too many, too long) with a 400 that names
+    the input and the limit, in its dialect's shape, and goes on serving."""
+    url, llm, ref = embed_server
+    ollama_route = route.startswith("/api/")
+    if ollama_route:
+        body = body | {"model": llm.model_name}
+    r = httpx.post(f"{url}{route}", json=body)
+    message = r.json()["error"] if ollama_route else r.json()["error"]["message"]
+    assert r.status_code == 400 and where in message, r.text
+    if not ollama_route:
+        assert message.startswith(r.json()["error"]["param"]) or "each side" in message
+    r = httpx.post(f"{url}/v1/embeddings", json={"input": "w10 w11"})
+    assert _close(r.json()["data"][0]["embedding"], hf_pool(ref, [10, 11], "last"))
+    assert llm.engine.kv.pool.num_used == 0
+
+
+@pytest.mark.parametrize(
+    "route,body",
+    [
+        ("/v1/embeddings", {"input": "w10"}),
+        ("/v1/rerank", {"query": "w10", "documents": ["w11"]}),
+        ("/rerank", {"query": "w10", "documents": ["w11"]}),
+        ("/score", {"text_1": "w10", "text_2": "w11"}),
+        ("/v1/score", {"text_1": "w10", "text_2": "w11"}),
+        ("/api/embed", {"input": "w10"}),
+        ("/api/embeddings", {"prompt": "w10"}),
+    ],
+)
+def test_an_unknown_model_is_404_on_every_pooling_route(embed_server, route, body) -> None:
+    """As /v1/chat/completions answers (and OpenAI, vLLM and Ollama): 404, in each dialect's
+    shape, OpenAI's with code model_not_found."""
+    url, llm, _ = embed_server
+    messages = [{"role": "user", "content": "w10"}]
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"model": "other", "messages": messages})
+    r = httpx.post(f"{url}{route}", json=body | {"model": "other"})
+    assert r.status_code == chat.status_code == 404
+    if route.startswith("/api/"):
+        assert r.json() == {"error": "model 'other' not found"}
+    else:
+        assert r.json()["error"] | {"message": ""} == chat.json()["error"] | {"message": ""}
+        assert "`other` does not exist" in r.json()["error"]["message"]
+        assert r.json()["error"]["code"] == "model_not_found"
+    name = f"{llm.model_name}:latest" if route.startswith("/api/") else llm.model_name
+    assert httpx.post(f"{url}{route}", json=body | {"model": name}).status_code == 200

@@ -110,6 +110,8 @@ class LLMEngine:
                 scorer="tokens" if classifier_ids else "head" if c.num_labels else None,
                 max_model_len=self.limits.max_model_len,
                 whole_prompt_tokens=None if c.is_causal else config.max_num_batched_tokens,
+                prompts=dict(c.prompts),
+                default_prompt_name=c.default_prompt_name,
             )
         runner_spec = RunnerSpec(
             self.kv.num_blocks,

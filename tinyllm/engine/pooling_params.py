@@ -5,7 +5,7 @@ A pooling request runs its prompt only: once the prompt is computed, the runner'
 or a relevance score (task "score", a reranker's), and the request finishes with it.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tinyllm.engine.validation import check_token_ids, is_int, kind_of, show
@@ -59,6 +59,26 @@ class PoolingSpec:
     scorer: str | None
     max_model_len: int
     whole_prompt_tokens: int | None  # non-causal: a prompt runs in one step of this budget
+    # sentence-transformers' named prompts and the default one's name (ModelConfig's).
+    prompts: dict[str, str] = field(default_factory=dict, hash=False)
+    default_prompt_name: str | None = None
+
+    def prompt(self, prompt_name: str | None = None, prompt: str | None = None) -> str:
+        """The text put before each text input, as sentence-transformers' encode picks it:
+        `prompt` as given, else the prompt named `prompt_name`, else the default prompt, else
+        none (""). ValueError for a name the model's prompts lack."""
+        if prompt is not None:
+            return prompt
+        name = self.default_prompt_name if prompt_name is None else prompt_name
+        if name is None:
+            return ""
+        if name not in self.prompts:
+            has = f"its prompts are {', '.join(self.prompts)}" if self.prompts else "it has none"
+            raise ValueError(
+                f"prompt_name={name!r} is not one of this model's prompts ({has}, from "
+                "config_sentence_transformers.json)"
+            )
+        return self.prompts[name]
 
     def check(self, prompt_token_ids: list[int], params: PoolingParams) -> None:
         """ValueError naming the problem if this model cannot run the request."""

@@ -209,7 +209,8 @@ def cmd_embed(args: argparse.Namespace) -> None:
     """Each text's embedding, briefly: its tokens, norm and first values."""
     llm = build_llm(args)
     params = PoolingParams(dimensions=args.dimensions)
-    for i, out in enumerate(llm.embed(args.texts, params, use_tqdm=False)):
+    outputs = llm.embed(args.texts, params, use_tqdm=False, prompt_name=args.prompt_name)
+    for i, out in enumerate(outputs):
         vector = out.outputs.embedding
         first = ", ".join(f"{x:.4f}" for x in vector[: args.show])
         more = ", ..." if len(vector) > args.show else ""
@@ -327,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("texts", nargs="+", help="the texts to embed")
     e.add_argument("--dimensions", type=positive_int, default=None, help="Matryoshka: keep N")
     e.add_argument("--show", type=positive_int, default=8, help="values to print per text")
+    e.add_argument(
+        "--prompt-name", default=None, help="the model's sentence-transformers prompt to put first"
+    )
     add_engine_args(e, positional_model=False)  # the positionals are the texts
     e.set_defaults(func=cmd_embed)
 

@@ -157,12 +157,16 @@ class LLM:
         pooling_params: PoolingParams | None = None,
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding (vLLM's LLM.embed), on a pooling model (an embedding model,
         or any model with the `pooling` option); `pooling_params` for Matryoshka `dimensions`
-        and `normalize`."""
+        and `normalize`. Text prompts get the model's prompt named `prompt_name` before them, or
+        `prompt`, or its default prompt, as sentence-transformers' encode does."""
         params = pooling_params or PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
-        encoded = self._encode(prompts)
+        spec = self.engine.pooling
+        encoded = self._encode(prompts, spec.prompt(prompt_name, prompt) if spec else "")
         outputs = self._submit(encoded, [params] * len(encoded), use_tqdm)
         return [
             EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(v.tolist()))
@@ -197,9 +201,10 @@ class LLM:
         ]
 
     def _encode(
-        self, prompts: str | list[int] | list[str | list[int]]
+        self, prompts: str | list[int] | list[str | list[int]], prefix: str = ""
     ) -> list[tuple[str | None, list[int]]]:
-        """Prompts as (text, token ids): a text, a list of token ids, or a list of those."""
+        """Prompts as (text, token ids): a text (after `prefix`), a list of token ids, or a
+        list of those."""
         if not isinstance(prompts, str | list | tuple):
             raise ValueError(_PROMPTS_ARE + f", not {type(prompts).__name__}")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -208,7 +213,9 @@ class LLM:
         if bad or not prompts:
             raise ValueError(_PROMPTS_ARE + (f", not {type(bad[0]).__name__}" if bad else ""))
         return [
-            (p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, list(p))
+            (prefix + p, self.tokenizer.encode(prefix + p))
+            if isinstance(p, str)
+            else (None, list(p))
             for p in prompts
         ]
 

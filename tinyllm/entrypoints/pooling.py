@@ -76,6 +76,9 @@ class ScorePlan:
 
     prompts: list[tuple[str | None, list[int]]]  # (text, token ids)
     params: PoolingParams
+    # Each prompt's text in the pairs, as (pair, side: 0 the first text, 1 the second), to
+    # name it in an error; a reranker's prompt of a whole pair is its second text's.
+    sources: list[tuple[int, int]]
     # For an embedding model: each pair's two prompts (each distinct text is embedded once).
     embedded_pairs: list[tuple[int, int]] | None = None
 
@@ -99,17 +102,21 @@ def plan_scores(
     (Qwen3-Reranker's format with classifier tokens, else the tokenizer's pair of texts);
     an embedding model embeds each text. ValueError for text the tokenizer refuses."""
     if spec.scorer is None:
-        unique = list(dict.fromkeys(t for pair in texts for t in pair))
-        index = {t: i for i, t in enumerate(unique)}
-        prompts = [(t, tokenizer.encode(t)) for t in unique]
+        first: dict[str, tuple[int, int]] = {}  # each distinct text's first place
+        for i, pair in enumerate(texts):
+            for side, t in enumerate(pair):
+                first.setdefault(t, (i, side))
+        index = {t: i for i, t in enumerate(first)}
+        prompts = [(t, tokenizer.encode(t)) for t in first]
         params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
-        return ScorePlan(prompts, params, [(index[a], index[b]) for a, b in texts])
+        embedded = [(index[a], index[b]) for a, b in texts]
+        return ScorePlan(prompts, params, list(first.values()), embedded)
     if spec.scorer == "tokens":
         prompts = [tokenizer.encode(qwen3_reranker_prompt(a, b, instruction)) for a, b in texts]
     else:
         prompts = [tokenizer.backend.encode(a, b).ids for a, b in texts]
     params = PoolingParams("score", truncate_prompt_tokens=truncate_prompt_tokens)
-    return ScorePlan([(None, ids) for ids in prompts], params)
+    return ScorePlan([(None, ids) for ids in prompts], params, [(i, 1) for i in range(len(texts))])
 
 
 def pairs(data_1: str | list[str], data_2: str | list[str]) -> list[tuple[str, str]]:

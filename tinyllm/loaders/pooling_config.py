@@ -1,7 +1,8 @@
 """A sentence-transformers model directory's pooling: modules.json lists its modules
 (Transformer, Pooling, Normalize), 1_Pooling/config.json says how token states become one
-vector, sentence_bert_config.json how many tokens it reads. Read for every architecture: a
-Qwen3-Embedding directory is a Qwen3 decoder with last-token pooling and a Normalize module."""
+vector, sentence_bert_config.json how many tokens it reads, config_sentence_transformers.json
+the prompts put before inputs. Read for every architecture: a Qwen3-Embedding directory is a
+Qwen3 decoder with last-token pooling, a Normalize module and a "query" instruction prompt."""
 
 import json
 from pathlib import Path
@@ -47,8 +48,9 @@ def _pooling_mode(path: Path) -> str:
 
 
 def apply_pooling_config(model_dir: Path, config: ModelConfig) -> None:
-    """Set `config`'s pooling and normalize from `model_dir`'s modules.json, and cap its context
-    at sentence_bert_config.json's max_seq_length; a directory without them is left as it is."""
+    """Set `config`'s pooling and normalize from `model_dir`'s modules.json, its prompts from
+    config_sentence_transformers.json, and cap its context at sentence_bert_config.json's
+    max_seq_length; a directory without them is left as it is."""
     modules_path = model_dir / "modules.json"
     if not modules_path.is_file():
         return
@@ -65,7 +67,23 @@ def apply_pooling_config(model_dir: Path, config: ModelConfig) -> None:
         if kind == "Pooling":
             config.pooling = _pooling_mode(model_dir / module.get("path", "") / "config.json")
         config.normalize = config.normalize or kind == "Normalize"
+    _apply_prompts(model_dir / "config_sentence_transformers.json", config)
     bert_config = model_dir / "sentence_bert_config.json"
     length = _json(bert_config).get("max_seq_length") if bert_config.is_file() else None
     if length:
         config.max_position_embeddings = min(config.max_position_embeddings, length)
+
+
+def _apply_prompts(path: Path, config: ModelConfig) -> None:
+    """sentence-transformers' named prompts and default prompt name, where the file has them."""
+    if not path.is_file():
+        return
+    cfg = _json(path)
+    prompts, default = cfg.get("prompts") or {}, cfg.get("default_prompt_name")
+    if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
+        raise ModelLoadError(f"{path}: prompts must map names to texts")
+    if default is not None and default not in prompts:
+        raise ModelLoadError(
+            f"{path}: default_prompt_name {default!r} is not one of its prompts {list(prompts)}"
+        )
+    config.prompts, config.default_prompt_name = dict(prompts), default

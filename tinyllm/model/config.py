@@ -99,6 +99,11 @@ class ModelConfig:
     pooling: str | None = None  # "cls", "mean" or "last"; None: a generation model
     normalize: bool = False  # embeddings L2-normalized (sentence-transformers' Normalize module)
     num_labels: int = 0  # a cross-encoder's classifier outputs: the model's classify(pooled)
+    # sentence-transformers' prompts (config_sentence_transformers.json): name -> the text put
+    # before an input to embed (Qwen3-Embedding's "query" instruction), and the one an input
+    # gets when it names none (None: no prompt).
+    prompts: dict = field(default_factory=dict)
+    default_prompt_name: str | None = None
     # Encoders (model/bert.py: BERT, XLM-RoBERTa; model/nomic_bert.py, rotary): token type
     # embeddings and a LayerNorm after each sublayer; hidden_act is their MLP's activation
     # (NomicBert's gate's); num_kv_heads equals num_heads.

@@ -25,9 +25,15 @@ def build_kv_cache_manager(model: Transformer, cfg: EngineConfig, max_len: int) 
     `max_num_seqs` requests of `max_len` tokens could ever use, and half the memory still
     available on the device. The pool's pages are touched only as blocks are written, so a
     large pool costs nothing up front, but one larger than the machine can back would fail
-    as it fills; the other half is left for activations and whatever else the machine runs."""
+    as it fills; the other half is left for activations and whatever else the machine runs.
+    An encoder keeps no K/V: its pool is bookkeeping for max_num_seqs prompts, with no memory."""
     per_token = kv_bytes_per_token(model, cfg.kv_cache_dtype)
     block_size = max_len if cfg.kv_cache == "slot" else cfg.block_size
+    caching = cfg.enable_prefix_caching and cfg.kv_cache == "paged"
+    if per_token == 0:  # an encoder: its blocks are bookkeeping, and cost no memory
+        num_blocks = cfg.num_blocks or cfg.max_num_seqs * -(-max_len // block_size)
+        log.info("an encoder keeps no K/V: no KV memory, %d blocks of bookkeeping", num_blocks)
+        return KVCacheManager(num_blocks, block_size, caching, extra_key=cache_key(model))
     unit = per_token * block_size
     if cfg.num_blocks is None and cfg.kv_cache_memory < unit:
         what = f"one slot of {max_len} tokens" if cfg.kv_cache == "slot" else "one block"
@@ -74,7 +80,6 @@ def build_kv_cache_manager(model: Transformer, cfg: EngineConfig, max_len: int) 
             max_len,
             tokens,
         )
-    caching = cfg.enable_prefix_caching and cfg.kv_cache == "paged"
     return KVCacheManager(num_blocks, block_size, caching, extra_key=cache_key(model))
 
 

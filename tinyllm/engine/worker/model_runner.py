@@ -105,8 +105,11 @@ class RunnerSpec:
 
 
 def kv_bytes_per_token(model: Transformer, kv_cache_dtype: str = "auto") -> int:
-    """K and V of one token, all layers: an int8 cache's codes and scales included."""
+    """K and V of one token, all layers: an int8 cache's codes and scales included; none for
+    an encoder, whose prompts run whole and keep no K/V."""
     c, dtype = model.config, cache_dtype(kv_cache_dtype, model.dtype)
+    if not c.is_causal:
+        return 0
     return 2 * c.num_layers * c.num_kv_heads * row_width(c.head_dim, dtype) * dtype.itemsize
 
 
@@ -141,12 +144,13 @@ class ModelRunner:
         self.device = model.device
         self.scratch = num_blocks
         shape = (num_blocks + 1, block_size, c.num_kv_heads, row_width(c.head_dim, dtype))
+        # An encoder keeps no K/V: its blocks are the scheduler's bookkeeping only.
         self.kv_caches = [
             (
                 torch.empty(shape, dtype=dtype, device=self.device),
                 torch.empty(shape, dtype=dtype, device=self.device),
             )
-            for _ in range(c.num_layers)
+            for _ in range(c.num_layers if c.is_causal else 0)
         ]
         self.sampler = Sampler()
         self.pooler = Pooler(model, classifier_token_ids)  # for requests with PoolingParams

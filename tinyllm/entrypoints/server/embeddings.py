@@ -27,6 +27,26 @@ def _encoded(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
     return vector.tolist()
 
 
+def _ollama_fit(
+    prompts: list[tuple[str | None, list[int]]], fits: int, truncate: bool
+) -> list[tuple[str | None, list[int]]]:
+    """Ollama's rule for an input over the context of `fits` tokens: `truncate` keeps its
+    first tokens (vLLM's truncate_prompt_tokens keeps the last), else a 400 in Ollama's words."""
+    kept = []
+    for i, (text, ids) in enumerate(prompts):
+        if len(ids) > fits:
+            if not truncate:
+                raise APIError(
+                    400,
+                    f"input length exceeds maximum context length: input[{i}] is {len(ids)} "
+                    f"tokens, the context is {fits} (truncate: true keeps the first {fits})",
+                    param="input",
+                )
+            ids = ids[:fits]
+        kept.append((text, ids))
+    return kept
+
+
 def install_embedding_routes(app: FastAPI, chat: ChatServing, pooling: PoolingServing) -> None:
     def check_ollama_model(model: str | None) -> None:
         name = pooling.model_name
@@ -40,7 +60,8 @@ def install_embedding_routes(app: FastAPI, chat: ChatServing, pooling: PoolingSe
         params = PoolingParams(
             dimensions=req.dimensions, truncate_prompt_tokens=req.truncate_prompt_tokens
         )
-        results = await pooling.run(pooling.token_ids(req.input, "input"), params, "input")
+        prompts = pooling.token_ids(req.input, "input", req.prompt_name)
+        results = await pooling.run(prompts, params, "input")
         tokens = sum(len(ids) for ids, _ in results)
         data = [
             {"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
@@ -60,14 +81,12 @@ def install_embedding_routes(app: FastAPI, chat: ChatServing, pooling: PoolingSe
         start = time.perf_counter_ns()
         check_ollama_model(req.model)
         spec = pooling.check("input")
-        # Ollama's embeddings are normalized; truncate keeps what fits (here the last tokens).
         fits = min(spec.max_model_len, spec.whole_prompt_tokens or spec.max_model_len)
-        params = PoolingParams(
-            dimensions=req.dimensions,
-            normalize=True,
-            truncate_prompt_tokens=fits if req.truncate else None,
-        )
-        results = await pooling.run(pooling.token_ids(req.input, "input"), params, "input")
+        prompts = pooling.token_ids(req.input, "input", req.prompt_name)
+        prompts = _ollama_fit(prompts, fits, req.truncate)
+        # Ollama's embeddings are normalized.
+        params = PoolingParams(dimensions=req.dimensions, normalize=True)
+        results = await pooling.run(prompts, params, "input")
         return {
             "model": req.model,
             "embeddings": [v.tolist() for _, v in results],

@@ -22,6 +22,9 @@ class EmbeddingRequest(_Request):
     dimensions: Count | None = None
     user: str | None = None
     truncate_prompt_tokens: Count | None = None  # vLLM's: keep each input's last k tokens
+    # Text-embeddings-inference's: the model's sentence-transformers prompt put before each text
+    # input (Qwen3-Embedding's "query"); None: its default prompt, if any.
+    prompt_name: str | None = None
 
 
 class Document(_Request):
@@ -49,8 +52,9 @@ class ScoreRequest(_Request):
 class OllamaEmbedRequest(_Request):
     model: str | None = None
     input: str | list[str]
-    truncate: bool = True  # cut an input to the context (its last tokens), else an error
+    truncate: bool = True  # keep an input's first tokens that fit (Ollama's), else an error
     dimensions: Count | None = None
+    prompt_name: str | None = None  # as EmbeddingRequest's
     options: dict | None = None
     keep_alive: str | int | float | None = None
 

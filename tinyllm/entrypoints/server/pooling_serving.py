@@ -33,8 +33,15 @@ class PoolingServing:
             raise APIError(400, _NOT_POOLING, param=param)
         return self.spec
 
-    def token_ids(self, inputs: str | list, param: str) -> list[tuple[str | None, list[int]]]:
-        """OpenAI's `input`: a text, token ids, or a list of either, as (text, token ids)."""
+    def token_ids(
+        self, inputs: str | list, param: str, prompt_name: str | None = None
+    ) -> list[tuple[str | None, list[int]]]:
+        """OpenAI's `input`: a text, token ids, or a list of either, as (text, token ids); each
+        text after the model's prompt named `prompt_name` (or its default prompt)."""
+        try:
+            prefix = self.check(param).prompt(prompt_name)
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt_name") from e
         if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
             inputs = [inputs]
         if not inputs:
@@ -42,7 +49,9 @@ class PoolingServing:
         if len(inputs) > MAX_INPUTS:
             raise APIError(400, f"{param}: {len(inputs)} inputs, over {MAX_INPUTS}", param=param)
         return [
-            (x, encode(self.tokenizer, x, True, param)) if isinstance(x, str) else (None, x)
+            (x, encode(self.tokenizer, prefix + x, True, param))
+            if isinstance(x, str)
+            else (None, x)
             for x in inputs
         ]
 
@@ -64,17 +73,22 @@ class PoolingServing:
             raise APIError(400, str(e), param=param) from e
 
     async def run(
-        self, prompts: list[tuple[str | None, list[int]]], params: PoolingParams, param: str
+        self,
+        prompts: list[tuple[str | None, list[int]]],
+        params: PoolingParams,
+        param: str,
+        names: list[str] | None = None,
     ) -> list[tuple[list[int], torch.Tensor]]:
-        """Each input's token ids as run (truncated) and its pooled vector, in input order."""
+        """Each input's token ids as run (truncated) and its pooled vector, in input order.
+        An input refused is named by `names` (its place in the request), else as `param`'s."""
         self.check(param)
         checked = []
         for i, (_, ids) in enumerate(prompts):
             try:
                 checked.append(self.validator.validate_pooling(ids, params))
             except ValueError as e:
-                where = param if len(prompts) == 1 else f"{param}[{i}]"
-                raise APIError(400, f"{where}: {e}", param=param) from e
+                where = names[i] if names else param if len(prompts) == 1 else f"{param}[{i}]"
+                raise APIError(400, f"{where}: {e}", param=where.partition("[")[0]) from e
         base = f"pool-{uuid.uuid4().hex}"
         requests = [(f"{base}-{i}", ids, params) for i, ids in enumerate(checked)]
         stream = self.loop.submit(requests)
